@@ -10,8 +10,10 @@ int main() {
   const kvq::Shape shape{64, 2, 32};
   std::vector<float> x(static_cast<size_t>(shape.numel()));
   for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i));
-  kvq::UniformConfig cfg;
+  kvq::QuantConfig cfg;
+  cfg.format = kvq::Format::kInt;
   cfg.bits = 4;
+  cfg.symmetric = true;
   cfg.axis = kvq::Axis::kToken;
   cfg.group = 32;
   auto q = kvq::quantize(cfg, kvq::KVView<const float>(x.data(), shape));
@@ -19,9 +21,9 @@ int main() {
   kvq::dequantize(q, kvq::KVView<float>(y.data(), shape));
   double err = 0;
   for (size_t i = 0; i < x.size(); ++i) err = std::fmax(err, std::fabs(x[i] - y[i]));
-  const double bits = kvq::account(cfg, shape).effective_bits();
+  const double bits = kvq::effective_bits(cfg, shape);
   std::printf("kvq %s consumer: max abs err %.4f, %.3f bits/value\n", KVQ_VERSION_STRING, err,
               bits);
-  return (err < 0.2 && bits == 4.5 && q.bytes() == kvq::account(cfg, shape).total_bytes()) ? 0
+  return (err < 0.2 && bits == 4.5 && q.bytes() == kvq::account(cfg, shape).total()) ? 0
                                                                                           : 1;
 }

@@ -81,6 +81,7 @@ inline void check_view(const Shape& s, const Strides& st) {
   KVQ_REQUIRE(st.token >= 0 && st.head >= 0 && st.dim >= 0, kShapeMismatch,
               "negative stride (token=", st.token, ", head=", st.head, ", dim=", st.dim,
               ") for shape ", s.str(), "; negative strides are not supported");
+  if (s.numel() == 0) return;  // nothing is addressed
   // Non-overlap: sort the axes with extent > 1 by stride; each stride must exceed the span
   // of all smaller-stride axes.
   std::array<std::pair<int64_t, int64_t>, 3> ax = {

@@ -1,0 +1,203 @@
+#pragma once
+/// \file uniform_cpu.hpp
+/// CPU kernels for grouped uniform integer quantization: group statistics, encode/decode of
+/// contiguous runs, and 2/4-bit packing. AVX-512 when KVQ_HAS_AVX512, scalar otherwise; both
+/// produce bits identical to reference/uniform_ref.hpp (tests compare them).
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "kvq/config.hpp"
+#include "kvq/core/bitpack.hpp"
+#include "kvq/format/uniform.hpp"
+
+namespace kvq::kernels {
+
+/// lo = min(lo, x[0..n)), hi = max(hi, x[0..n)). Returns false if any x is NaN or +/-inf.
+inline bool minmax(const float* x, int64_t n, float& lo, float& hi) {
+  int64_t i = 0;
+  bool finite = true;
+#if KVQ_HAS_AVX512
+  if (n >= 16) {
+    __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(hi);
+    __mmask16 bad = 0;
+    for (; i + 16 <= n; i += 16) {
+      const __m512 v = _mm512_loadu_ps(x + i);
+      bad |= _mm512_fpclass_ps_mask(v, 0x99);  // QNaN | +inf | -inf | SNaN
+      vlo = _mm512_min_ps(vlo, v);
+      vhi = _mm512_max_ps(vhi, v);
+    }
+    lo = _mm512_reduce_min_ps(vlo);
+    hi = _mm512_reduce_max_ps(vhi);
+    finite = bad == 0;
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = x[i];
+    finite &= std::isfinite(v);
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+  }
+  return finite;
+}
+
+/// Element-wise lo[i] = min(lo[i], x[i]), hi[i] = max(hi[i], x[i]). Returns false on NaN/inf.
+inline bool minmax_elementwise(const float* x, float* lo, float* hi, int64_t n) {
+  int64_t i = 0;
+  bool finite = true;
+#if KVQ_HAS_AVX512
+  __mmask16 bad = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    bad |= _mm512_fpclass_ps_mask(v, 0x99);
+    _mm512_storeu_ps(lo + i, _mm512_min_ps(_mm512_loadu_ps(lo + i), v));
+    _mm512_storeu_ps(hi + i, _mm512_max_ps(_mm512_loadu_ps(hi + i), v));
+  }
+  finite = bad == 0;
+#endif
+  for (; i < n; ++i) {
+    const float v = x[i];
+    finite &= std::isfinite(v);
+    lo[i] = v < lo[i] ? v : lo[i];
+    hi[i] = v > hi[i] ? v : hi[i];
+  }
+  return finite;
+}
+
+/// codes[i] = uniform_encode(x[i], z, inv, off, qmax) with one (z, inv) for the run.
+inline void encode_run(const float* x, int64_t n, float z, float inv, float off, float qmax,
+                       uint8_t* codes) {
+  int64_t i = 0;
+#if KVQ_HAS_AVX512
+  const __m512 vz = _mm512_set1_ps(z), vinv = _mm512_set1_ps(inv), voff = _mm512_set1_ps(off);
+  const __m512 vq = _mm512_set1_ps(qmax), v0 = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vz), vinv, voff);
+    v = _mm512_min_ps(_mm512_max_ps(v, v0), vq);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i),
+                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+  }
+#endif
+  for (; i < n; ++i) codes[i] = uniform_encode(x[i], z, inv, off, qmax);
+}
+
+/// codes[i] = uniform_encode(x[i], z[i], inv[i], off, qmax) (per-element parameters).
+inline void encode_run_vec(const float* x, const float* z, const float* inv, int64_t n, float off,
+                           float qmax, uint8_t* codes) {
+  int64_t i = 0;
+#if KVQ_HAS_AVX512
+  const __m512 voff = _mm512_set1_ps(off), vq = _mm512_set1_ps(qmax), v0 = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(z + i)),
+                               _mm512_loadu_ps(inv + i), voff);
+    v = _mm512_min_ps(_mm512_max_ps(v, v0), vq);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i),
+                     _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
+  }
+#endif
+  for (; i < n; ++i) codes[i] = uniform_encode(x[i], z[i], inv[i], off, qmax);
+}
+
+/// out[i] = uniform_decode(codes[i], s, z, off) with one (s, z) for the run.
+inline void decode_run(const uint8_t* codes, int64_t n, float s, float z, float off, float* out) {
+  int64_t i = 0;
+#if KVQ_HAS_AVX512
+  const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z), voff = _mm512_set1_ps(off);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 c = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))));
+    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(_mm512_sub_ps(c, voff), vs, vz));
+  }
+#endif
+  for (; i < n; ++i) out[i] = uniform_decode(codes[i], s, z, off);
+}
+
+/// out[i] = uniform_decode(codes[i], s[i], z[i], off) (per-element parameters).
+inline void decode_run_vec(const uint8_t* codes, const float* s, const float* z, int64_t n,
+                           float off, float* out) {
+  int64_t i = 0;
+#if KVQ_HAS_AVX512
+  const __m512 voff = _mm512_set1_ps(off);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 c = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))));
+    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(_mm512_sub_ps(c, voff), _mm512_loadu_ps(s + i),
+                                              _mm512_loadu_ps(z + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = uniform_decode(codes[i], s[i], z[i], off);
+}
+
+/// pack_bits with vectorized 2- and 4-bit paths for byte-aligned runs.
+inline void pack_codes(const uint8_t* codes, std::size_t n, int bits, uint8_t* out,
+                       std::size_t bit_offset) {
+#if KVQ_HAS_AVX512
+  if (bit_offset % 8 == 0 && (bits == 4 || bits == 2)) {
+    uint8_t* o = out + bit_offset / 8;
+    std::size_t i = 0;
+    if (bits == 4) {
+      const __m512i m0 = _mm512_set1_epi16(0x0f), m1 = _mm512_set1_epi16(0xf0);
+      for (; i + 64 <= n; i += 64, o += 32) {
+        const __m512i w = _mm512_loadu_si512(codes + i);  // 32 lanes of (c0 | c1 << 8)
+        const __m512i p = _mm512_or_si512(_mm512_and_si512(w, m0),
+                                          _mm512_and_si512(_mm512_srli_epi16(w, 4), m1));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi16_epi8(p));
+      }
+    } else {
+      const __m512i m3 = _mm512_set1_epi32(0x3);
+      for (; i + 64 <= n; i += 64, o += 16) {
+        const __m512i w = _mm512_loadu_si512(codes + i);  // 16 lanes of c0..c3
+        __m512i p = _mm512_and_si512(w, m3);
+        p = _mm512_or_si512(p, _mm512_and_si512(_mm512_srli_epi32(w, 6), _mm512_set1_epi32(0xc)));
+        p = _mm512_or_si512(p,
+                            _mm512_and_si512(_mm512_srli_epi32(w, 12), _mm512_set1_epi32(0x30)));
+        p = _mm512_or_si512(p,
+                            _mm512_and_si512(_mm512_srli_epi32(w, 18), _mm512_set1_epi32(0xc0)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm512_cvtepi32_epi8(p));
+      }
+    }
+    if (i < n) pack_bits(codes + i, n - i, bits, out, bit_offset + i * bits);
+    return;
+  }
+#endif
+  pack_bits(codes, n, bits, out, bit_offset);
+}
+
+/// unpack_bits with vectorized 2- and 4-bit paths for byte-aligned runs.
+inline void unpack_codes(const uint8_t* in, std::size_t n, int bits, uint8_t* codes,
+                         std::size_t bit_offset) {
+#if KVQ_HAS_AVX512
+  if (bit_offset % 8 == 0 && (bits == 4 || bits == 2)) {
+    const uint8_t* p = in + bit_offset / 8;
+    std::size_t i = 0;
+    if (bits == 4) {
+      const __m512i m0 = _mm512_set1_epi16(0x0f);
+      for (; i + 64 <= n; i += 64, p += 32) {
+        const __m512i b =
+            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        const __m512i w = _mm512_or_si512(_mm512_and_si512(b, m0),
+                                          _mm512_slli_epi16(_mm512_srli_epi16(b, 4), 8));
+        _mm512_storeu_si512(codes + i, w);
+      }
+    } else {
+      const __m512i m3 = _mm512_set1_epi32(0x3);
+      for (; i + 64 <= n; i += 64, p += 16) {
+        const __m512i b =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        __m512i w = _mm512_and_si512(b, m3);
+        w = _mm512_or_si512(w, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 2), m3), 8));
+        w = _mm512_or_si512(w,
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 4), m3), 16));
+        w = _mm512_or_si512(w, _mm512_slli_epi32(_mm512_srli_epi32(b, 6), 24));
+        _mm512_storeu_si512(codes + i, w);
+      }
+    }
+    if (i < n) unpack_bits(in, n - i, bits, codes + i, bit_offset + i * bits);
+    return;
+  }
+#endif
+  unpack_bits(in, n, bits, codes, bit_offset);
+}
+
+}  // namespace kvq::kernels

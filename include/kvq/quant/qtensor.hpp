@@ -1,0 +1,205 @@
+#pragma once
+/// \file qtensor.hpp
+/// Quantizer configuration and the packed block a quantizer produces.
+///
+/// One QuantConfig describes every scheme kvq stores (raw f32/f16/bf16, grouped integers,
+/// scaled FP8, rotate-then-Lloyd-Max). Compile-time policies (policy/) and runtime spec strings
+/// both produce a QuantConfig and go through the same quantize()/dequantize() dispatch.
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kvq/core/error.hpp"
+#include "kvq/core/half.hpp"
+#include "kvq/core/tensor.hpp"
+#include "kvq/geometry/grouping.hpp"
+
+namespace kvq {
+
+/// Element format of the stored codes.
+enum class Format : uint8_t {
+  kF32,        ///< unquantized float32
+  kF16,        ///< unquantized fp16 (round to nearest even)
+  kBF16,       ///< unquantized bf16
+  kInt,        ///< grouped uniform integer, asymmetric (min + scale) or symmetric (absmax)
+  kE4M3,       ///< scaled FP8 e4m3fn
+  kE5M2,       ///< scaled FP8 e5m2
+  kLloydMax,   ///< per-vector norm + rotation + Lloyd-Max codebook (TurboQuant-style)
+};
+
+inline const char* to_string(Format f) {
+  switch (f) {
+    case Format::kF32: return "f32";
+    case Format::kF16: return "f16";
+    case Format::kBF16: return "bf16";
+    case Format::kInt: return "int";
+    case Format::kE4M3: return "e4m3";
+    case Format::kE5M2: return "e5m2";
+    case Format::kLloydMax: return "lm";
+  }
+  return "?";
+}
+
+/// Storage type of metadata (scales, zero points, norms).
+enum class MetaDType : uint8_t { kF16, kF32 };
+inline int meta_size(MetaDType m) { return m == MetaDType::kF16 ? 2 : 4; }
+inline const char* to_string(MetaDType m) { return m == MetaDType::kF16 ? "f16" : "f32"; }
+
+/// Rounds v to what a metadata slot of type m stores.
+inline float round_meta(MetaDType m, float v) {
+  if (m == MetaDType::kF32) return v;
+#if KVQ_HAS_F16C
+  return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  return half_bits_to_float(float_to_half_bits(v));
+#endif
+}
+
+/// Everything that defines how one tensor is stored.
+struct QuantConfig {
+  Format format = Format::kInt;
+  int bits = 4;                        ///< code width: int 2/3/4/8, lm 1..4 (8 for fp8)
+  bool symmetric = false;              ///< int only: absmax scale, no zero point
+  Axis axis = Axis::kToken;            ///< grouping axis of scales
+  int64_t group = 0;                   ///< group size along the axis; 0 = whole extent
+  MetaDType meta = MetaDType::kF16;    ///< storage of scales / zero points / norms
+  float fp8_margin = 1.0f;             ///< fp8: scale = amax * margin / max_finite
+  bool qjl = false;                    ///< lm: 1-bit QJL residual (opt-in)
+  uint64_t seed = 0x6b7671u;           ///< lm: rotation / projection seed
+
+  bool is_raw() const {
+    return format == Format::kF32 || format == Format::kF16 || format == Format::kBF16;
+  }
+  /// Short human-readable name, e.g. "int4/token/g32/f16meta" or "e4m3/head".
+  std::string name() const {
+    std::string s;
+    switch (format) {
+      case Format::kF32: return "f32";
+      case Format::kF16: return "f16";
+      case Format::kBF16: return "bf16";
+      case Format::kInt: s = (symmetric ? "sint" : "int") + std::to_string(bits); break;
+      case Format::kE4M3: s = "e4m3"; break;
+      case Format::kE5M2: s = "e5m2"; break;
+      case Format::kLloydMax: s = "lm" + std::to_string(bits); break;
+    }
+    if (format != Format::kLloydMax) {
+      s += "/";
+      s += to_string(axis);
+      if (group > 0) s += "/g" + std::to_string(group);
+    } else {
+      s += "/rot";
+      if (qjl) s += "/qjl";
+    }
+    if (meta == MetaDType::kF32) s += "/f32meta";
+    return s;
+  }
+};
+
+/// A typed array of metadata values stored as fp16 or fp32 bytes.
+class MetaBuffer {
+ public:
+  MetaBuffer() = default;
+  MetaBuffer(MetaDType dt, std::size_t n) { reset(dt, n); }
+  void reset(MetaDType dt, std::size_t n) {
+    dtype_ = dt;
+    count_ = n;
+    bytes_.assign(n * static_cast<std::size_t>(meta_size(dt)), 0);
+  }
+  /// Stores v (rounded to the storage type) and returns the value actually stored.
+  float set(std::size_t i, float v) {
+    if (dtype_ == MetaDType::kF16) {
+      const uint16_t h = float_to_half_bits(v);
+      std::memcpy(bytes_.data() + 2 * i, &h, 2);
+      return half_bits_to_float(h);
+    }
+    std::memcpy(bytes_.data() + 4 * i, &v, 4);
+    return v;
+  }
+  float get(std::size_t i) const {
+    if (dtype_ == MetaDType::kF16) {
+      uint16_t h;
+      std::memcpy(&h, bytes_.data() + 2 * i, 2);
+      return half_bits_to_float(h);
+    }
+    float v;
+    std::memcpy(&v, bytes_.data() + 4 * i, 4);
+    return v;
+  }
+  std::size_t size() const { return count_; }
+  std::size_t bytes() const { return bytes_.size(); }
+  MetaDType dtype() const { return dtype_; }
+  const std::vector<uint8_t>& raw() const { return bytes_; }
+  bool operator==(const MetaBuffer& o) const {
+    return dtype_ == o.dtype_ && count_ == o.count_ && bytes_ == o.bytes_;
+  }
+
+ private:
+  MetaDType dtype_ = MetaDType::kF16;
+  std::size_t count_ = 0;
+  std::vector<uint8_t> bytes_;
+};
+
+/// Byte count of a stored tensor, by kind. effective bits = 8 * total / elements.
+struct ByteBreakdown {
+  std::size_t codes = 0;      ///< packed codes (or raw values for f32/f16/bf16)
+  std::size_t scales = 0;     ///< per-group scales
+  std::size_t zeros = 0;      ///< per-group zero points (asymmetric int)
+  std::size_t norms = 0;      ///< per-vector norms (rotate-then-Lloyd-Max)
+  std::size_t residual = 0;   ///< QJL sign bits and residual norms
+  std::size_t outliers = 0;   ///< sparse outliers (values + indices)
+  std::size_t codebooks = 0;  ///< stored codebooks (0 when derived from (d, b))
+  std::size_t seeds = 0;      ///< rotation / projection seeds
+  std::size_t total() const {
+    return codes + scales + zeros + norms + residual + outliers + codebooks + seeds;
+  }
+  ByteBreakdown& operator+=(const ByteBreakdown& o) {
+    codes += o.codes;
+    scales += o.scales;
+    zeros += o.zeros;
+    norms += o.norms;
+    residual += o.residual;
+    outliers += o.outliers;
+    codebooks += o.codebooks;
+    seeds += o.seeds;
+    return *this;
+  }
+  bool operator==(const ByteBreakdown& o) const {
+    return codes == o.codes && scales == o.scales && zeros == o.zeros && norms == o.norms &&
+           residual == o.residual && outliers == o.outliers && codebooks == o.codebooks &&
+           seeds == o.seeds;
+  }
+  /// 8 * total / numel; 0 for an empty tensor (documented: no NaN).
+  double effective_bits(int64_t numel) const {
+    return numel > 0 ? 8.0 * static_cast<double>(total()) / static_cast<double>(numel) : 0.0;
+  }
+};
+
+/// A packed, quantized tensor: owns its codes and all metadata. Its bytes() is exactly what
+/// the accountant predicts for (config, shape).
+struct QTensor {
+  QuantConfig config;
+  Shape shape;
+  std::vector<uint8_t> codes;  ///< bitstream in [tokens, heads, head_dim] order
+  MetaBuffer scales;           ///< one per group (int, fp8)
+  MetaBuffer zeros;            ///< one per group (asymmetric int)
+  MetaBuffer norms;            ///< one per (token, head) vector (lm)
+  std::vector<uint8_t> qjl_signs;  ///< lm + qjl: one bit per coordinate
+  MetaBuffer qjl_norms;            ///< lm + qjl: residual norm per vector
+  bool has_seed = false;           ///< lm: the rotation seed is stored (8 bytes)
+
+  ByteBreakdown breakdown() const {
+    ByteBreakdown b;
+    b.codes = codes.size();
+    b.scales = scales.bytes();
+    b.zeros = zeros.bytes();
+    b.norms = norms.bytes();
+    b.residual = qjl_signs.size() + qjl_norms.bytes();
+    b.seeds = has_seed ? sizeof(uint64_t) : 0;
+    return b;
+  }
+  std::size_t bytes() const { return breakdown().total(); }
+  double effective_bits() const { return breakdown().effective_bits(shape.numel()); }
+};
+
+}  // namespace kvq
