@@ -69,8 +69,7 @@ inline std::vector<uint8_t> to_bytes(const std::string& s) {
 
 /// Runs fn and checks that it throws kvq::Error of `kind` whose message contains every one of
 /// `parts` (so tests pin down that messages name the field and the value).
-inline ::testing::AssertionResult throws_error(const std::function<void()>& fn,
-                                               kvq::ErrorKind kind,
+inline ::testing::AssertionResult throws_error(const std::function<void()>& fn, kvq::ErrorKind kind,
                                                std::initializer_list<std::string> parts) {
   try {
     fn();
@@ -102,8 +101,8 @@ inline ::testing::AssertionResult throws_error(const std::function<void()>& fn,
 inline std::vector<uint8_t> mutate(const std::vector<uint8_t>& in, std::mt19937& rng) {
   std::vector<uint8_t> b = in;
   auto pick = [&](size_t n) { return n == 0 ? size_t{0} : static_cast<size_t>(rng() % n); };
-  static const uint8_t kInteresting[] = {0x00, 0xff, 0x7f, 0x80, '0', '9', '-', '.', ',',
-                                         ':',  '[',  ']',  '{',  '}', '(', ')', '"', '\'',
+  static const uint8_t kInteresting[] = {0x00, 0xff, 0x7f, 0x80, '0',  '9',  '-',  '.', ',',
+                                         ':',  '[',  ']',  '{',  '}',  '(',  ')',  '"', '\'',
                                          '\\', 'e',  'L',  ' ',  '\n', 0xc3, 0xed, 0xf4};
   const int nmut = 1 + static_cast<int>(rng() % 4);
   for (int m = 0; m < nmut; ++m) {

@@ -1,8 +1,6 @@
 // Tests for kvq/io/npy.hpp: round trips for every dtype and format version, the header
 // parser's tolerance, Fortran order, the bf16 conventions, one test per hostile input, and a
 // seeded mutation fuzz loop (run under ASan+UBSan in the sanitizer build).
-#include "kvq/io/npy.hpp"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,6 +13,7 @@
 
 #include "io/io_test_util.hpp"
 #include "kvq/core/half.hpp"
+#include "kvq/io/npy.hpp"
 
 namespace {
 
@@ -37,8 +36,8 @@ std::vector<uint8_t> npy_file(int major, const std::string& dict, const std::vec
     while ((pre + header.size() + 1) % 64 != 0) header += ' ';
     header += '\n';
   }
-  std::vector<uint8_t> out = {0x93, 'N', 'U', 'M', 'P', 'Y', static_cast<uint8_t>(major),
-                              static_cast<uint8_t>(minor)};
+  std::vector<uint8_t> out = {
+      0x93, 'N', 'U', 'M', 'P', 'Y', static_cast<uint8_t>(major), static_cast<uint8_t>(minor)};
   for (size_t i = 0; i < len_bytes; ++i) {
     out.push_back(static_cast<uint8_t>(header.size() >> (8 * i)));
   }
@@ -130,7 +129,7 @@ INSTANTIATE_TEST_SUITE_P(AllDTypes, NpyRoundTrip,
 TEST(Npy, WriterUsesNumpyHeaderAndBf16AsV2) {
   const Array a = Array::from_float(iota(6), {2, 3}, DType::kBF16);
   const std::vector<uint8_t> enc = kvq::io::encode_npy(a);
-  const std::string text(enc.begin() + 10, enc.begin() + 10 + 60);
+  const std::string text(enc.begin() + 10, enc.begin() + 10 + 59);
   EXPECT_EQ(text, "{'descr': '<V2', 'fortran_order': False, 'shape': (2, 3), }");
   const Array one = Array::from_float(iota(4), {4}, DType::kF32);
   const std::vector<uint8_t> e1 = kvq::io::encode_npy(one);
@@ -173,16 +172,16 @@ TEST(Npy, HeaderParserIsTolerantOfSpacingOrderAndSpelling) {
 }
 
 TEST(Npy, ScalarEmptyAndOneDimensionalShapes) {
-  EXPECT_EQ(parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': ()}",
-                           f32_bytes({2.5f})))
-                .to_float(),
-            std::vector<float>{2.5f});
+  EXPECT_EQ(
+      parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': ()}", f32_bytes({2.5f})))
+          .to_float(),
+      std::vector<float>{2.5f});
   const Array e =
       parse(npy_file(1, "{'descr': '<f2', 'fortran_order': False, 'shape': (0, 5)}", {}));
   EXPECT_EQ(e.shape, (std::vector<int64_t>{0, 5}));
   EXPECT_TRUE(e.bytes.empty());
-  const Array v =
-      parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (3,)}", f32_bytes(iota(3))));
+  const Array v = parse(
+      npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (3,)}", f32_bytes(iota(3))));
   EXPECT_EQ(v.shape, (std::vector<int64_t>{3}));
 }
 
@@ -198,16 +197,26 @@ TEST(Npy, FortranOrderIsTransposedToCOrder) {
       for (int k = 0; k < 4; ++k) fdata[i + 2 * j + 6 * k] = static_cast<float>(12 * i + 4 * j + k);
     }
   }
-  const Array b = parse(npy_file(2, "{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3, 4)}",
-                                 f32_bytes(fdata)));
+  const Array b = parse(
+      npy_file(2, "{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3, 4)}", f32_bytes(fdata)));
   EXPECT_EQ(b.shape, (std::vector<int64_t>{2, 3, 4}));
   EXPECT_EQ(b.to_float(), iota(24));
   // f16, rank 1 (order is irrelevant) and an empty array.
   const Array c = parse(npy_file(1, "{'descr': '<f2', 'fortran_order': True, 'shape': (2,)}",
                                  {0x00, 0x3c, 0x00, 0x40}));
   EXPECT_EQ(c.to_float(), (std::vector<float>{1.f, 2.f}));
-  EXPECT_TRUE(
-      parse(npy_file(1, "{'descr': '<f2', 'fortran_order': True, 'shape': (3, 0)}", {})).bytes.empty());
+  EXPECT_TRUE(parse(npy_file(1, "{'descr': '<f2', 'fortran_order': True, 'shape': (3, 0)}", {}))
+                  .bytes.empty());
+}
+
+TEST(Npy, FortranOrderFromFile) {
+  TempDir dir;
+  kvq_test::write_bytes(dir / "f.npy",
+                        npy_file(3, "{'descr': '<f4', 'fortran_order': True, 'shape': (3, 2)}",
+                                 f32_bytes({0, 2, 4, 1, 3, 5})));
+  const Array a = read_npy(dir / "f.npy");
+  EXPECT_EQ(a.shape, (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(a.to_float(), iota(6));
 }
 
 TEST(Npy, Bf16Conventions) {
@@ -242,10 +251,11 @@ TEST(Npy, WriterRejectsInconsistentArrays) {
   a.dtype = DType::kF32;
   a.shape = {2, 2};
   a.bytes.resize(12);
-  EXPECT_TRUE(kvq_test::throws_error([&] { kvq::io::encode_npy(a); },
-                                     ErrorKind::kInvalidArgument, {"[2, 2]", "12"}));
-  EXPECT_TRUE(kvq_test::throws_error([&] { kvq::io::encode_npy(Array{}, 4); },
-                                     ErrorKind::kInvalidArgument, {"version 4"}));
+  EXPECT_TRUE(kvq_test::throws_error([&] { kvq::io::encode_npy(a); }, ErrorKind::kInvalidArgument,
+                                     {"[2, 2]", "12"}));
+  EXPECT_TRUE(kvq_test::throws_error(
+      [&] { kvq::io::encode_npy(Array::from_float(iota(1), {1}, DType::kF32), 4); },
+      ErrorKind::kInvalidArgument, {"version 4"}));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -310,43 +320,50 @@ TEST(NpyHostile, TrailingBytesAfterData) {
 }
 
 TEST(NpyHostile, BigEndianDescr) {
-  EXPECT_IO_ERROR(
-      parse(npy_file(1, "{'descr': '>f4', 'fortran_order': False, 'shape': (2, 2)}", f32_bytes(iota(4)))),
-      "'>f4'", "big-endian");
-  EXPECT_IO_ERROR(
-      parse(npy_file(1, "{'descr': '>f2', 'fortran_order': False, 'shape': (2,)}", f32_bytes(iota(1)))),
-      "'>f2'", "big-endian");
+  EXPECT_IO_ERROR(parse(npy_file(1, "{'descr': '>f4', 'fortran_order': False, 'shape': (2, 2)}",
+                                 f32_bytes(iota(4)))),
+                  "'>f4'", "big-endian");
+  EXPECT_IO_ERROR(parse(npy_file(1, "{'descr': '>f2', 'fortran_order': False, 'shape': (2,)}",
+                                 f32_bytes(iota(1)))),
+                  "'>f2'", "big-endian");
 }
 
 TEST(NpyHostile, UnsupportedDescr) {
   for (const char* d : {"<f8", "|u1", "<i4", "<c8", "O", "<U3", ""}) {
-    EXPECT_IO_ERROR(parse(npy_file(1, std::string("{'descr': '") + d +
-                                          "', 'fortran_order': False, 'shape': (2,)}",
-                                   f32_bytes(iota(2)))),
-                    "unsupported descr", std::string("'") + d + "'");
+    EXPECT_IO_ERROR(
+        parse(npy_file(1,
+                       std::string("{'descr': '") + d + "', 'fortran_order': False, 'shape': (2,)}",
+                       f32_bytes(iota(2)))),
+        "unsupported descr", std::string("'") + d + "'");
   }
 }
 
 TEST(NpyHostile, StructuredDescr) {
-  EXPECT_IO_ERROR(parse(npy_file(1, "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,)}",
-                                 f32_bytes(iota(1)))),
-                  "'descr'", "structured");
+  EXPECT_IO_ERROR(
+      parse(npy_file(1, "{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,)}",
+                     f32_bytes(iota(1)))),
+      "'descr'", "structured");
 }
 
 TEST(NpyHostile, NegativeShapeEntry) {
-  EXPECT_IO_ERROR(parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (2, -3)}", {})),
-                  "'shape' entry 1 is -3");
+  EXPECT_IO_ERROR(
+      parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (2, -3)}", {})),
+      "'shape' entry 1 is -3");
 }
 
 TEST(NpyHostile, NonIntegerShapeEntry) {
-  EXPECT_IO_ERROR(parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (2.5, 2)}", {})),
-                  "'shape' entry 0 is 2.5", "not an integer");
-  EXPECT_IO_ERROR(parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (1e3,)}", {})),
-                  "'shape' entry 0 is 1e3");
-  EXPECT_IO_ERROR(parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': ('2',)}", {})),
-                  "'shape' entry 0 is '2'");
-  EXPECT_IO_ERROR(parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (True,)}", {})),
-                  "'shape' entry 0 is True");
+  EXPECT_IO_ERROR(
+      parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (2.5, 2)}", {})),
+      "'shape' entry 0 is 2.5", "not an integer");
+  EXPECT_IO_ERROR(
+      parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (1e3,)}", {})),
+      "'shape' entry 0 is 1e3");
+  EXPECT_IO_ERROR(
+      parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': ('2',)}", {})),
+      "'shape' entry 0 is '2'");
+  EXPECT_IO_ERROR(
+      parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': (True,)}", {})),
+      "'shape' entry 0 is True");
 }
 
 TEST(NpyHostile, ShapeNotATuple) {
@@ -394,6 +411,18 @@ TEST(NpyHostile, HugeButConsistentShapeIsTruncation) {
                   "truncated", "4000000000000 data bytes");
 }
 
+TEST(NpyHostile, HugeShapeOnDiskFailsBeforeAllocating) {
+  // read_npy validates the header against the file size before it allocates anything.
+  TempDir dir;
+  kvq_test::write_bytes(dir / "huge.npy",
+                        npy_file(1,
+                                 "{'descr': '<f4', 'fortran_order': False, 'shape': "
+                                 "(1000000000, 1000000000)}",
+                                 f32_bytes(iota(4))));
+  EXPECT_IO_ERROR(read_npy(dir / "huge.npy"), "huge.npy", "truncated",
+                  "4000000000000000000 data bytes", "the file has 16");
+}
+
 TEST(NpyHostile, IntegerLiteralOutOfRange) {
   EXPECT_IO_ERROR(parse(npy_file(1,
                                  "{'descr': '<f4', 'fortran_order': False, 'shape': "
@@ -415,8 +444,9 @@ TEST(NpyHostile, RankAboveLimit) {
 TEST(NpyHostile, MissingKey) {
   EXPECT_IO_ERROR(parse(npy_file(1, "{'descr': '<f4', 'shape': (2, 2)}", f32_bytes(iota(4)))),
                   "lacks the key 'fortran_order'");
-  EXPECT_IO_ERROR(parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False}", f32_bytes(iota(4)))),
-                  "lacks the key 'shape'");
+  EXPECT_IO_ERROR(
+      parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False}", f32_bytes(iota(4)))),
+      "lacks the key 'shape'");
 }
 
 TEST(NpyHostile, UnexpectedKey) {
@@ -436,9 +466,9 @@ TEST(NpyHostile, DuplicateKey) {
 }
 
 TEST(NpyHostile, NonStringKey) {
-  EXPECT_IO_ERROR(parse(npy_file(1, "{1: '<f4', 'fortran_order': False, 'shape': (2, 2)}",
-                                 f32_bytes(iota(4)))),
-                  "key 1 is not a string");
+  EXPECT_IO_ERROR(
+      parse(npy_file(1, "{1: '<f4', 'fortran_order': False, 'shape': (2, 2)}", f32_bytes(iota(4)))),
+      "key 1 is not a string");
 }
 
 TEST(NpyHostile, FortranOrderNotBool) {
@@ -480,9 +510,9 @@ TEST(NpyHostile, MalformedHeaders) {
 
 TEST(NpyHostile, NestingDepthLimit) {
   std::string deep = std::string(100, '(') + std::string(100, ')');
-  EXPECT_IO_ERROR(parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': " + deep + "}",
-                                 {})),
-                  "nested deeper than 16");
+  EXPECT_IO_ERROR(
+      parse(npy_file(1, "{'descr': '<f4', 'fortran_order': False, 'shape': " + deep + "}", {})),
+      "nested deeper than 16");
 }
 
 TEST(NpyHostile, Version3HeaderMustBeUtf8) {
@@ -491,9 +521,10 @@ TEST(NpyHostile, Version3HeaderMustBeUtf8) {
   // The same byte in a 1.0 header is latin-1, which the parser then rejects as a token.
   EXPECT_IO_ERROR(parse(npy_file(1, dict, f32_bytes(iota(4)))), "after the header dict");
   // Valid UTF-8 (in a string value) is fine in 3.0, and reaches the descr check.
-  EXPECT_IO_ERROR(parse(npy_file(3, "{'descr': '<f\xc3\xa9', 'fortran_order': False, 'shape': (2, 2)}",
-                                 f32_bytes(iota(4)))),
-                  "unsupported descr");
+  EXPECT_IO_ERROR(
+      parse(npy_file(3, "{'descr': '<f\xc3\xa9', 'fortran_order': False, 'shape': (2, 2)}",
+                     f32_bytes(iota(4)))),
+      "unsupported descr");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -503,8 +534,8 @@ TEST(NpyFuzz, MutatedFilesParseOrThrowKvqError) {
   std::vector<std::vector<uint8_t>> seeds;
   seeds.push_back(kvq::io::encode_npy(Array::from_float(iota(24), {2, 3, 4}, DType::kF16), 1));
   seeds.push_back(kvq::io::encode_npy(Array::from_float(iota(6), {6}, DType::kBF16), 3));
-  seeds.push_back(npy_file(2, "{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3)}",
-                           f32_bytes(iota(6))));
+  seeds.push_back(
+      npy_file(2, "{'descr': '<f4', 'fortran_order': True, 'shape': (2, 3)}", f32_bytes(iota(6))));
   seeds.push_back(npy_file(1, "{\"shape\": (3L,), \"fortran_order\": False, \"descr\": \"<f4\", }",
                            f32_bytes(iota(3)), false));
   int ok = kvq_test::fuzz(seeds, 3000, 12345, [](const std::vector<uint8_t>& b) {

@@ -15,6 +15,8 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -173,13 +175,13 @@ inline bool valid_utf8(std::string_view s, size_t* bad = nullptr) {
 /// fit in int64 too: a shape like (0, 2^62, 2^62) holds no data but would overflow the stride
 /// arithmetic of any consumer, so it is rejected as hostile.
 inline int64_t checked_numel(const std::vector<int64_t>& shape, const std::string& what) {
-  KVQ_REQUIRE(shape.size() <= static_cast<size_t>(kMaxRank), kIo, what, " has rank ",
-              shape.size(), ", more than the limit of ", kMaxRank);
+  KVQ_REQUIRE(shape.size() <= static_cast<size_t>(kMaxRank), kIo, what, " has rank ", shape.size(),
+              ", more than the limit of ", kMaxRank);
   int64_t nonzero = 1;
   bool any_zero = false;
   for (size_t i = 0; i < shape.size(); ++i) {
-    KVQ_REQUIRE(shape[i] >= 0, kIo, what, " ", shape_str(shape), ": entry ", i, " is ",
-                shape[i], ", must be >= 0");
+    KVQ_REQUIRE(shape[i] >= 0, kIo, what, " ", shape_str(shape), ": entry ", i, " is ", shape[i],
+                ", must be >= 0");
     if (shape[i] == 0) {
       any_zero = true;
       continue;
@@ -193,11 +195,22 @@ inline int64_t checked_numel(const std::vector<int64_t>& shape, const std::strin
 /// numel * itemsize as a size that fits in both int64 and size_t, or an error naming `what`.
 inline size_t checked_nbytes(int64_t numel, int itemsize, const std::string& what) {
   int64_t n = 0;
-  KVQ_REQUIRE(checked_mul(numel, itemsize, &n), kIo, what, ": ", numel, " elements of ",
-              itemsize, " bytes overflow int64");
-  KVQ_REQUIRE(static_cast<uint64_t>(n) <= std::numeric_limits<size_t>::max(), kIo, what, ": ",
-              n, " bytes do not fit in size_t");
+  KVQ_REQUIRE(checked_mul(numel, itemsize, &n), kIo, what, ": ", numel, " elements of ", itemsize,
+              " bytes overflow int64");
+  KVQ_REQUIRE(static_cast<uint64_t>(n) <= std::numeric_limits<size_t>::max(), kIo, what, ": ", n,
+              " bytes do not fit in size_t");
   return static_cast<size_t>(n);
+}
+
+/// A byte buffer of n bytes; allocation failure becomes kvq::Error(kIo) naming `what`, so that
+/// a (validated but) huge tensor never escapes as std::bad_alloc.
+inline std::vector<uint8_t> alloc_bytes(size_t n, const std::string& what) {
+  try {
+    return std::vector<uint8_t>(n);
+  } catch (const std::bad_alloc&) {
+  } catch (const std::length_error&) {
+  }
+  ::kvq::fail(ErrorKind::kIo, what, ": cannot allocate ", n, " bytes");
 }
 
 /// A file opened for bounded, random-access reads. Every read is checked against the size
@@ -207,8 +220,9 @@ class FileReader {
   explicit FileReader(const std::filesystem::path& path) : path_(path) {
     std::error_code ec;
     const auto st = std::filesystem::status(path, ec);
-    KVQ_REQUIRE(!ec && std::filesystem::exists(st), kIo, "cannot open '", path.string(),
+    KVQ_REQUIRE(std::filesystem::exists(st), kIo, "cannot open '", path.string(),
                 "': no such file");
+    KVQ_REQUIRE(!ec, kIo, "cannot open '", path.string(), "': ", ec.message());
     KVQ_REQUIRE(!std::filesystem::is_directory(st), kIo, "cannot read '", path.string(),
                 "': it is a directory");
     in_.open(path, std::ios::binary);
@@ -225,9 +239,8 @@ class FileReader {
 
   /// Reads bytes [offset, offset + n) into dst; the range must lie inside the file.
   void read(uint64_t offset, size_t n, uint8_t* dst) {
-    KVQ_REQUIRE(offset <= size_ && n <= size_ - offset, kIo, "'", path_.string(),
-                "': read of ", n, " bytes at offset ", offset, " runs past the end (", size_,
-                " bytes)");
+    KVQ_REQUIRE(offset <= size_ && n <= size_ - offset, kIo, "'", path_.string(), "': read of ", n,
+                " bytes at offset ", offset, " runs past the end (", size_, " bytes)");
     if (n == 0) return;
     in_.clear();
     in_.seekg(static_cast<std::streamoff>(offset), std::ios::beg);
@@ -243,10 +256,9 @@ class FileReader {
                 " (file shrank while reading?)");
   }
 
-  std::vector<uint8_t> read_all() {
-    KVQ_REQUIRE(size_ <= std::numeric_limits<size_t>::max(), kIo, "'", path_.string(),
-                "' is too large for this address space");
-    std::vector<uint8_t> buf(static_cast<size_t>(size_));
+  /// The first min(size(), n) bytes.
+  std::vector<uint8_t> read_prefix(size_t n) {
+    std::vector<uint8_t> buf(static_cast<size_t>(std::min<uint64_t>(size_, n)));
     read(0, buf.size(), buf.data());
     return buf;
   }
@@ -262,8 +274,7 @@ class FileWriter {
  public:
   explicit FileWriter(const std::filesystem::path& path) : path_(path) {
     out_.open(path, std::ios::binary | std::ios::trunc);
-    KVQ_REQUIRE(out_.is_open(), kIo, "cannot create '", path.string(), "': ",
-                std::strerror(errno));
+    KVQ_REQUIRE(out_.is_open(), kIo, "cannot create '", path.string(), "': ", std::strerror(errno));
   }
   void write(const uint8_t* p, size_t n) {
     constexpr size_t kChunk = size_t{1} << 30;
@@ -303,22 +314,25 @@ struct Array {
   int64_t numel() const {
     int64_t n = 1;
     for (int64_t d : shape) {
-      KVQ_REQUIRE(d >= 0 && detail::checked_mul(n, d, &n), kInvalidArgument,
-                  "array shape ", detail::shape_str(shape), " is negative or overflows");
+      KVQ_REQUIRE(d >= 0 && detail::checked_mul(n, d, &n), kInvalidArgument, "array shape ",
+                  detail::shape_str(shape), " is negative or overflows");
     }
     return n;
   }
 
-  /// Throws kInvalidArgument unless bytes.size() matches shape and dtype. Writers call this,
-  /// so a hand-built Array with a wrong-sized payload is caught before it reaches a file.
+  /// Throws kInvalidArgument unless bytes.size() matches shape and dtype and the rank is at
+  /// most kMaxRank. Writers call this, so that a hand-built Array with a wrong-sized payload is
+  /// caught before it reaches a file.
   void validate(const std::string& what = "array") const {
+    KVQ_REQUIRE(shape.size() <= static_cast<size_t>(kMaxRank), kInvalidArgument, what, ": rank ",
+                shape.size(), " exceeds the limit of ", kMaxRank,
+                " (readers would reject the file)");
     const int64_t n = numel();
     int64_t nb = 0;
-    KVQ_REQUIRE(detail::checked_mul(n, dtype_size(dtype), &nb) &&
-                    static_cast<uint64_t>(nb) == bytes.size(),
-                kInvalidArgument, what, ": shape ", detail::shape_str(shape), " of ",
-                to_string(dtype), " needs ", n, " x ", dtype_size(dtype), " bytes, payload has ",
-                bytes.size());
+    KVQ_REQUIRE(
+        detail::checked_mul(n, dtype_size(dtype), &nb) && static_cast<uint64_t>(nb) == bytes.size(),
+        kInvalidArgument, what, ": shape ", detail::shape_str(shape), " of ", to_string(dtype),
+        " needs ", n, " x ", dtype_size(dtype), " bytes, payload has ", bytes.size());
   }
 
   /// The elements converted to float (exact for every dtype kvq stores).
@@ -362,8 +376,8 @@ struct Array {
     a.dtype = store_as;
     a.shape = std::move(shape);
     const int64_t n64 = a.numel();
-    KVQ_REQUIRE(data != nullptr || n64 == 0, kInvalidArgument,
-                "null data for array of shape ", detail::shape_str(a.shape));
+    KVQ_REQUIRE(data != nullptr || n64 == 0, kInvalidArgument, "null data for array of shape ",
+                detail::shape_str(a.shape));
     const size_t n = detail::checked_nbytes(n64, 1, "array");
     a.bytes.resize(detail::checked_nbytes(n64, dtype_size(store_as), "array"));
     if (n == 0) return a;
@@ -390,9 +404,8 @@ struct Array {
                           DType store_as) {
     Array probe;
     probe.shape = shape;
-    KVQ_REQUIRE(static_cast<uint64_t>(probe.numel()) == data.size(), kInvalidArgument,
-                "array of ", data.size(), " floats does not match shape ",
-                detail::shape_str(shape));
+    KVQ_REQUIRE(static_cast<uint64_t>(probe.numel()) == data.size(), kInvalidArgument, "array of ",
+                data.size(), " floats does not match shape ", detail::shape_str(shape));
     return from_float(data.data(), std::move(shape), store_as);
   }
 

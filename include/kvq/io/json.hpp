@@ -29,8 +29,8 @@ namespace kvq::io {
 
 /// Resource limits for one parse.
 struct JsonLimits {
-  int max_depth = 64;                      ///< deepest array/object nesting accepted
-  size_t max_values = size_t{1} << 20;     ///< most values (of any type) in one parsed value
+  int max_depth = 64;                   ///< deepest array/object nesting accepted
+  size_t max_values = size_t{1} << 20;  ///< most values (of any type) in one parsed value
 };
 
 namespace detail {
@@ -44,18 +44,42 @@ class Json {
 
   static const char* type_name(Type t) {
     switch (t) {
-      case Type::kNull: return "null";
-      case Type::kBool: return "boolean";
-      case Type::kNumber: return "number";
-      case Type::kString: return "string";
-      case Type::kArray: return "array";
-      case Type::kObject: return "object";
+      case Type::kNull:
+        return "null";
+      case Type::kBool:
+        return "boolean";
+      case Type::kNumber:
+        return "number";
+      case Type::kString:
+        return "string";
+      case Type::kArray:
+        return "array";
+      case Type::kObject:
+        return "object";
     }
     return "?";
   }
 
   Type type() const { return type_; }
   const char* type_name() const { return type_name(type_); }
+  /// The type with its article ("an array", "a number", "null"), for error messages.
+  const char* described_type() const {
+    switch (type_) {
+      case Type::kNull:
+        return "null";
+      case Type::kBool:
+        return "a boolean";
+      case Type::kNumber:
+        return "a number";
+      case Type::kString:
+        return "a string";
+      case Type::kArray:
+        return "an array";
+      case Type::kObject:
+        return "an object";
+    }
+    return "?";
+  }
   bool is_null() const { return type_ == Type::kNull; }
   bool is_bool() const { return type_ == Type::kBool; }
   bool is_number() const { return type_ == Type::kNumber; }
@@ -124,8 +148,8 @@ class Json {
  private:
   friend class detail::JsonParser;
   void require(Type t) const {
-    KVQ_REQUIRE(type_ == t, kInvalidArgument, "JSON value is a ", type_name(type_), ", not a ",
-                type_name(t));
+    KVQ_REQUIRE(type_ == t, kInvalidArgument, "JSON value is ", described_type(), ", not ",
+                t == Type::kArray || t == Type::kObject ? "an " : "a ", type_name(t));
   }
 
   Type type_ = Type::kNull;
@@ -315,7 +339,8 @@ class JsonParser {
     uint32_t v = 0;
     for (int i = 0; i < 4; ++i) {
       const int h = hex_val(s_[pos_ + i]);
-      if (h < 0) fail(detail::cat("bad hex digit in \\u escape: ", detail::printable(s_.substr(pos_, 4))));
+      if (h < 0)
+        fail(detail::cat("bad hex digit in \\u escape: ", detail::printable(s_.substr(pos_, 4))));
       v = v * 16 + static_cast<uint32_t>(h);
     }
     pos_ += 4;
@@ -349,21 +374,38 @@ class JsonParser {
         ++pos_;
         return out;
       }
-      if (c < 0x20) fail(detail::cat("unescaped control character 0x", detail::hex_bytes(&c, 1),
-                                     " in a string"));
+      if (c < 0x20)
+        fail(detail::cat("unescaped control character 0x", detail::hex_bytes(&c, 1),
+                         " in a string"));
       if (c == '\\') {
         ++pos_;
         if (pos_ >= s_.size()) fail("unterminated escape");
         const char e = s_[pos_++];
         switch (e) {
-          case '"': out += '"'; break;
-          case '\\': out += '\\'; break;
-          case '/': out += '/'; break;
-          case 'b': out += '\b'; break;
-          case 'f': out += '\f'; break;
-          case 'n': out += '\n'; break;
-          case 'r': out += '\r'; break;
-          case 't': out += '\t'; break;
+          case '"':
+            out += '"';
+            break;
+          case '\\':
+            out += '\\';
+            break;
+          case '/':
+            out += '/';
+            break;
+          case 'b':
+            out += '\b';
+            break;
+          case 'f':
+            out += '\f';
+            break;
+          case 'n':
+            out += '\n';
+            break;
+          case 'r':
+            out += '\r';
+            break;
+          case 't':
+            out += '\t';
+            break;
           case 'u': {
             uint32_t cp = hex4();
             if (cp >= 0xdc00 && cp <= 0xdfff) fail("unpaired low surrogate in \\u escape");
@@ -389,7 +431,10 @@ class JsonParser {
         continue;
       }
       // Multi-byte UTF-8 sequence: validate it as one unit, copy it through.
-      const size_t len = (c & 0xe0) == 0xc0 ? 2 : (c & 0xf0) == 0xe0 ? 3 : (c & 0xf8) == 0xf0 ? 4 : 0;
+      const size_t len = (c & 0xe0) == 0xc0   ? 2
+                         : (c & 0xf0) == 0xe0 ? 3
+                         : (c & 0xf8) == 0xf0 ? 4
+                                              : 0;
       if (len == 0 || s_.size() - pos_ < len || !detail::valid_utf8(s_.substr(pos_, len))) {
         fail("invalid UTF-8 in a string");
       }
@@ -429,13 +474,27 @@ inline std::string json_quote(std::string_view s) {
   for (const char ch : s) {
     const auto c = static_cast<unsigned char>(ch);
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default:
         if (c < 0x20) {
           out += "\\u00";

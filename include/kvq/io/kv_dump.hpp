@@ -123,13 +123,13 @@ inline Shape check_kv_array(const Array& a, const std::string& name, const std::
   int64_t nb = dtype_size(a.dtype);
   bool sane = a.shape.size() <= static_cast<size_t>(kMaxRank);
   for (size_t i = 0; sane && i < a.shape.size(); ++i) sane = checked_mul(nb, a.shape[i], &nb);
-  require(sane && static_cast<uint64_t>(nb) == a.bytes.size(),
-              kind, source, ": ", name, ": payload of ", a.bytes.size(),
-              " bytes does not match shape ", shape_str(a.shape), " of ", to_string(a.dtype));
+  require(sane && static_cast<uint64_t>(nb) == a.bytes.size(), kind, source, ": ", name,
+          ": payload of ", a.bytes.size(), " bytes does not match shape ", shape_str(a.shape),
+          " of ", to_string(a.dtype));
   require(a.shape.size() == 3, kind, source, ": ", name, " has shape ", shape_str(a.shape),
-              "; dump tensors are rank 3 [tokens, heads, head_dim]");
+          "; dump tensors are rank 3 [tokens, heads, head_dim]");
   require(a.shape[0] > 0 && a.shape[1] > 0 && a.shape[2] > 0, kind, source, ": ", name,
-              " has shape ", shape_str(a.shape), "; tokens, heads and head_dim must be > 0");
+          " has shape ", shape_str(a.shape), "; tokens, heads and head_dim must be > 0");
   return Shape{a.shape[0], a.shape[1], a.shape[2]};
 }
 
@@ -149,30 +149,31 @@ inline void validate_kv_dump(const KVDump& dump, const std::string& source = "KV
     const Shape ks = detail::check_kv_array(l.k, name("k"), source, kind);
     const Shape vs = detail::check_kv_array(l.v, name("v"), source, kind);
     detail::require(vs == ks, kind, source, ": ", name("v"), " has shape ", vs.str(), " but ",
-                name("k"), " has ", ks.str(), "; k and v must have the same shape");
+                    name("k"), " has ", ks.str(), "; k and v must have the same shape");
     if (l.k_prerope) {
       const Shape ps = detail::check_kv_array(*l.k_prerope, name("k_prerope"), source, kind);
       detail::require(ps == ks, kind, source, ": ", name("k_prerope"), " has shape ", ps.str(),
-                  " but ", name("k"), " has ", ks.str());
+                      " but ", name("k"), " has ", ks.str());
     }
     if (l.q) {
       const Shape qs = detail::check_kv_array(*l.q, name("q"), source, kind);
       detail::require(qs.tokens == ks.tokens && qs.head_dim == ks.head_dim, kind, source, ": ",
-                  name("q"), " has shape ", qs.str(), " but ", name("k"), " has ", ks.str(),
-                  "; q must have the same tokens and head_dim");
+                      name("q"), " has shape ", qs.str(), " but ", name("k"), " has ", ks.str(),
+                      "; q must have the same tokens and head_dim");
       detail::require(qs.heads % ks.heads == 0, kind, source, ": ", name("q"), " has ", qs.heads,
-                  " heads, not a multiple of the ", ks.heads, " kv heads of ", name("k"),
-                  " (GQA needs q_heads = group * kv_heads)");
+                      " heads, not a multiple of the ", ks.heads, " kv heads of ", name("k"),
+                      " (GQA needs q_heads = group * kv_heads)");
     }
     if (tokens < 0) tokens = ks.tokens;
     detail::require(ks.tokens == tokens, kind, source, ": ", name("k"), " has ", ks.tokens,
-                " tokens but layers.0.k has ", tokens, "; all layers must cover the same tokens");
+                    " tokens but layers.0.k has ", tokens,
+                    "; all layers must cover the same tokens");
   }
 }
 
 namespace detail {
 
-/// Assembles and validates a dump from (name, array) pairs delivered by `next`.
+/// Turns the tensors found (by layer) into a dump and validates it; errors are kIo.
 inline KVDump assemble_kv_dump(std::map<int64_t, PartialLayer>&& parts, const std::string& src) {
   KVQ_REQUIRE(!parts.empty(), kIo, src, ": no dump tensors found (expected layers.0.k, ...)");
   // Keys are sorted and unique, so 0..L-1 without gaps means last key == L-1 and first == 0.
@@ -198,8 +199,8 @@ inline KVDump assemble_kv_dump(std::map<int64_t, PartialLayer>&& parts, const st
   return dump;
 }
 
-inline void put_part(std::map<int64_t, PartialLayer>& parts, int64_t layer, KVKind kind,
-                     Array a, const std::string& name, const std::string& src) {
+inline void put_part(std::map<int64_t, PartialLayer>& parts, int64_t layer, KVKind kind, Array a,
+                     const std::string& name, const std::string& src) {
   PartialLayer& p = parts[layer];
   std::optional<Array>& slot = kind == KVKind::kK   ? p.k
                                : kind == KVKind::kV ? p.v
@@ -209,9 +210,9 @@ inline void put_part(std::map<int64_t, PartialLayer>& parts, int64_t layer, KVKi
   slot = std::move(a);
 }
 
-/// The files of a .npy dump directory that follow the convention, as name -> path.
-inline std::map<std::string, std::filesystem::path> npy_dump_files(
-    const std::filesystem::path& dir, const std::string& src) {
+/// The regular .npy files of a directory, as stem -> path (the caller filters by name).
+inline std::map<std::string, std::filesystem::path> npy_dump_files(const std::filesystem::path& dir,
+                                                                   const std::string& src) {
   std::map<std::string, std::filesystem::path> out;
   std::error_code ec;
   std::filesystem::directory_iterator it(dir, ec);
@@ -274,7 +275,8 @@ inline void save_kv_dump(const std::filesystem::path& path, const KVDump& dump, 
   }
   const std::string src = path.string();
   if (format == DumpFormat::kSafetensors) {
-    detail::st_write(path, named, {{"format", "kvq.kv_dump"}, {"layers", std::to_string(dump.layers.size())}});
+    detail::st_write(path, named,
+                     {{"format", "kvq.kv_dump"}, {"layers", std::to_string(dump.layers.size())}});
     return;
   }
   std::error_code ec;

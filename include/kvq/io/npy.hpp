@@ -72,26 +72,40 @@ struct PyLit {
 
   static const char* kind_name(Kind k) {
     switch (k) {
-      case Kind::kNone: return "None";
-      case Kind::kBool: return "bool";
-      case Kind::kInt: return "int";
-      case Kind::kFloat: return "float";
-      case Kind::kStr: return "str";
-      case Kind::kTuple: return "tuple";
-      case Kind::kList: return "list";
-      case Kind::kDict: return "dict";
+      case Kind::kNone:
+        return "None";
+      case Kind::kBool:
+        return "bool";
+      case Kind::kInt:
+        return "int";
+      case Kind::kFloat:
+        return "float";
+      case Kind::kStr:
+        return "str";
+      case Kind::kTuple:
+        return "tuple";
+      case Kind::kList:
+        return "list";
+      case Kind::kDict:
+        return "dict";
     }
     return "?";
   }
   /// Short rendering for error messages.
   std::string repr() const {
     switch (kind) {
-      case Kind::kNone: return "None";
-      case Kind::kBool: return b ? "True" : "False";
-      case Kind::kInt: return std::to_string(i);
-      case Kind::kFloat: return text;
-      case Kind::kStr: return printable(text);
-      default: return std::string("a ") + kind_name(kind);
+      case Kind::kNone:
+        return "None";
+      case Kind::kBool:
+        return b ? "True" : "False";
+      case Kind::kInt:
+        return std::to_string(i);
+      case Kind::kFloat:
+        return text;
+      case Kind::kStr:
+        return printable(text);
+      default:
+        return std::string("a ") + kind_name(kind);
     }
   }
 };
@@ -134,8 +148,7 @@ class PyLitParser {
     return false;
   }
   static bool ident_char(char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-           c == '_';
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_';
   }
 
   PyLit value(int depth) {
@@ -371,23 +384,22 @@ inline NpyHeader npy_check_header(const PyLit& h, const NpyReadOptions& opt,
               shape->items.size(), " dimensions, more than the limit of ", kMaxRank);
   for (size_t i = 0; i < shape->items.size(); ++i) {
     const PyLit& e = shape->items[i];
-    KVQ_REQUIRE(e.kind == PyLit::Kind::kInt, kIo, source, ": 'shape' entry ", i, " is ",
-                e.repr(), ", not an integer");
+    KVQ_REQUIRE(e.kind == PyLit::Kind::kInt, kIo, source, ": 'shape' entry ", i, " is ", e.repr(),
+                ", not an integer");
     KVQ_REQUIRE(e.i >= 0, kIo, source, ": 'shape' entry ", i, " is ", e.i, ", must be >= 0");
     out.shape.push_back(e.i);
   }
   return out;
 }
 
-/// Column-major (Fortran) element order -> row-major, for any rank.
-inline std::vector<uint8_t> fortran_to_c(const uint8_t* src, const std::vector<int64_t>& shape,
-                                         size_t itemsize, size_t nbytes) {
-  std::vector<uint8_t> dst(nbytes);
+/// Column-major (Fortran) element order -> row-major, for any rank: dst[c] = src[f(c)].
+inline void fortran_to_c(const uint8_t* src, const std::vector<int64_t>& shape, size_t itemsize,
+                         uint8_t* dst, size_t nbytes) {
   const size_t rank = shape.size();
-  if (nbytes == 0) return dst;
+  if (nbytes == 0) return;
   if (rank <= 1) {
-    std::memcpy(dst.data(), src, nbytes);
-    return dst;
+    std::memcpy(dst, src, nbytes);
+    return;
   }
   // Fortran strides in elements: dim 0 is fastest. All products fit: they are bounded by
   // numel, which was checked.
@@ -402,7 +414,7 @@ inline std::vector<uint8_t> fortran_to_c(const uint8_t* src, const std::vector<i
   int64_t foff = 0;
   const size_t n = nbytes / itemsize;
   for (size_t c = 0; c < n; ++c) {
-    std::memcpy(dst.data() + c * itemsize, src + static_cast<size_t>(foff) * itemsize, itemsize);
+    std::memcpy(dst + c * itemsize, src + static_cast<size_t>(foff) * itemsize, itemsize);
     for (size_t k = rank; k-- > 0;) {
       if (++idx[k] < shape[k]) {
         foff += fstride[k];
@@ -412,7 +424,75 @@ inline std::vector<uint8_t> fortran_to_c(const uint8_t* src, const std::vector<i
       idx[k] = 0;
     }
   }
-  return dst;
+}
+
+/// Where the parts of a .npy file lie, from its validated header.
+struct NpyLayout {
+  NpyHeader header;
+  size_t data_start = 0;  ///< file offset of the data
+  size_t nbytes = 0;      ///< data bytes the shape implies (== file size - data_start)
+};
+
+/// Validates preamble and header from the first `avail` bytes of a file of `total` bytes and
+/// checks that the data exactly fills the rest. `avail` must cover at least the preamble and
+/// kMaxNpyHeaderBytes of header, or the whole file when it is shorter.
+inline NpyLayout npy_layout(const uint8_t* data, size_t avail, uint64_t total,
+                            const NpyReadOptions& opt, const std::string& source) {
+  constexpr size_t kMagicLen = 6;
+  static const uint8_t kMagic[kMagicLen] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
+  KVQ_REQUIRE(total >= kMagicLen + 2 && avail >= kMagicLen + 2, kIo, source, ": ", total,
+              " bytes is too short for a .npy file (magic and version need 8)");
+  KVQ_REQUIRE(std::memcmp(data, kMagic, kMagicLen) == 0, kIo, source,
+              ": not a .npy file: magic is [", hex_bytes(data, kMagicLen),
+              "], expected [93 4e 55 4d 50 59] (\"\\x93NUMPY\")");
+  const int major = data[6];
+  const int minor = data[7];
+  KVQ_REQUIRE(major >= 1 && major <= 3 && minor == 0, kIo, source,
+              ": unsupported .npy format version ", major, ".", minor,
+              " (kvq reads 1.0, 2.0 and 3.0)");
+  const size_t len_bytes = major == 1 ? 2 : 4;
+  const size_t header_start = kMagicLen + 2 + len_bytes;
+  KVQ_REQUIRE(avail >= header_start, kIo, source,
+              ": truncated in the header length field (file is ", total, " bytes)");
+  const size_t header_len = major == 1 ? load_u16le(data + 8) : load_u32le(data + 8);
+  KVQ_REQUIRE(header_len <= kMaxNpyHeaderBytes, kIo, source, ": header length ", header_len,
+              " exceeds the limit of ", kMaxNpyHeaderBytes, " bytes");
+  KVQ_REQUIRE(header_len <= total - header_start && header_len <= avail - header_start, kIo, source,
+              ": header length ", header_len, " runs past the end of the file (",
+              total - header_start, " bytes follow the length field)");
+  const std::string_view text(reinterpret_cast<const char*>(data + header_start), header_len);
+  if (major == 3) {
+    size_t bad = 0;
+    KVQ_REQUIRE(valid_utf8(text, &bad), kIo, source,
+                ": version 3.0 header is not valid UTF-8 (header byte ", bad, ")");
+  }
+  NpyLayout l;
+  l.header = npy_check_header(PyLitParser(text, source).parse_document(), opt, source);
+  const int64_t numel = checked_numel(l.header.shape, source + ": 'shape'");
+  l.nbytes = checked_nbytes(numel, dtype_size(l.header.dtype), source + ": data");
+  l.data_start = header_start + header_len;
+  const uint64_t have = total - l.data_start;
+  const std::string what =
+      cat("shape ", shape_str(l.header.shape), " of ", to_string(l.header.dtype));
+  KVQ_REQUIRE(have >= l.nbytes, kIo, source, ": truncated: ", what, " needs ", l.nbytes,
+              " data bytes, the file has ", have);
+  KVQ_REQUIRE(have == l.nbytes, kIo, source, ": ", have - l.nbytes,
+              " unexpected bytes after the data of ", what);
+  return l;
+}
+
+/// The Array of a validated layout whose data bytes are at `src`.
+inline Array npy_array(const NpyLayout& l, const uint8_t* src, const std::string& source) {
+  Array a;
+  a.dtype = l.header.dtype;
+  a.shape = l.header.shape;
+  a.bytes = alloc_bytes(l.nbytes, source);
+  if (l.header.fortran_order) {
+    fortran_to_c(src, a.shape, static_cast<size_t>(dtype_size(a.dtype)), a.bytes.data(), l.nbytes);
+  } else if (l.nbytes) {
+    std::memcpy(a.bytes.data(), src, l.nbytes);
+  }
+  return a;
 }
 
 }  // namespace detail
@@ -421,73 +501,38 @@ inline std::vector<uint8_t> fortran_to_c(const uint8_t* src, const std::vector<i
 /// Throws kvq::Error(kIo) on anything malformed, truncated, oversized or unsupported.
 inline Array read_npy_bytes(const uint8_t* data, size_t size, const NpyReadOptions& opt = {},
                             const std::string& source = "<memory>") {
-  constexpr size_t kMagicLen = 6;
-  static const uint8_t kMagic[kMagicLen] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
   KVQ_REQUIRE(data != nullptr || size == 0, kInvalidArgument, source, ": null buffer");
-  KVQ_REQUIRE(size >= kMagicLen + 2, kIo, source, ": ", size,
-              " bytes is too short for a .npy file (magic and version need 8)");
-  KVQ_REQUIRE(std::memcmp(data, kMagic, kMagicLen) == 0, kIo, source,
-              ": not a .npy file: magic is [", detail::hex_bytes(data, kMagicLen),
-              "], expected [93 4e 55 4d 50 59] (\"\\x93NUMPY\")");
-  const int major = data[6];
-  const int minor = data[7];
-  KVQ_REQUIRE(major >= 1 && major <= 3 && minor == 0, kIo, source,
-              ": unsupported .npy format version ", major, ".", minor,
-              " (kvq reads 1.0, 2.0 and 3.0)");
-  const size_t len_bytes = major == 1 ? 2 : 4;
-  KVQ_REQUIRE(size >= kMagicLen + 2 + len_bytes, kIo, source, ": truncated in the header length",
-              " field (file is ", size, " bytes)");
-  const size_t header_len =
-      major == 1 ? detail::load_u16le(data + 8) : detail::load_u32le(data + 8);
-  const size_t header_start = kMagicLen + 2 + len_bytes;
-  KVQ_REQUIRE(header_len <= kMaxNpyHeaderBytes, kIo, source, ": header length ", header_len,
-              " exceeds the limit of ", kMaxNpyHeaderBytes, " bytes");
-  KVQ_REQUIRE(header_len <= size - header_start, kIo, source, ": header length ", header_len,
-              " runs past the end of the file (", size - header_start,
-              " bytes follow the length field)");
-  const std::string_view header(reinterpret_cast<const char*>(data + header_start), header_len);
-  if (major == 3) {
-    size_t bad = 0;
-    KVQ_REQUIRE(detail::valid_utf8(header, &bad), kIo, source,
-                ": version 3.0 header is not valid UTF-8 (header byte ", bad, ")");
-  }
-  const detail::PyLit lit = detail::PyLitParser(header, source).parse_document();
-  const detail::NpyHeader h = detail::npy_check_header(lit, opt, source);
-
-  Array a;
-  a.dtype = h.dtype;
-  a.shape = h.shape;
-  const int64_t numel = detail::checked_numel(a.shape, source + ": 'shape'");
-  const size_t itemsize = static_cast<size_t>(dtype_size(a.dtype));
-  const size_t nbytes = detail::checked_nbytes(numel, dtype_size(a.dtype), source + ": data");
-  const size_t data_start = header_start + header_len;
-  const size_t avail = size - data_start;
-  KVQ_REQUIRE(avail >= nbytes, kIo, source, ": truncated: shape ", detail::shape_str(a.shape),
-              " of ", to_string(a.dtype), " needs ", nbytes, " data bytes, the file has ", avail);
-  KVQ_REQUIRE(avail == nbytes, kIo, source, ": ", avail - nbytes,
-              " unexpected bytes after the data of shape ", detail::shape_str(a.shape), " of ",
-              to_string(a.dtype));
-  if (h.fortran_order) {
-    a.bytes = detail::fortran_to_c(data + data_start, a.shape, itemsize, nbytes);
-  } else {
-    a.bytes.assign(data + data_start, data + data_start + nbytes);
-  }
-  return a;
+  const detail::NpyLayout l = detail::npy_layout(data, size, size, opt, source);
+  return detail::npy_array(l, data + l.data_start, source);
 }
 
-/// Reads a .npy file (whole file in one read). Throws kvq::Error(kIo) naming the path.
+/// Reads a .npy file. The header is read and validated first, so memory is allocated only
+/// for the data a valid header implies and the file actually holds. Throws kvq::Error(kIo)
+/// naming the path.
 inline Array read_npy(const std::filesystem::path& path, const NpyReadOptions& opt = {}) {
+  const std::string source = path.string();
   detail::FileReader f(path);
-  const std::vector<uint8_t> buf = f.read_all();
-  return read_npy_bytes(buf.data(), buf.size(), opt, path.string());
+  const std::vector<uint8_t> head = f.read_prefix(12 + kMaxNpyHeaderBytes);
+  const detail::NpyLayout l = detail::npy_layout(head.data(), head.size(), f.size(), opt, source);
+  if (!l.header.fortran_order) {
+    Array a;
+    a.dtype = l.header.dtype;
+    a.shape = l.header.shape;
+    a.bytes = detail::alloc_bytes(l.nbytes, source);
+    f.read(l.data_start, l.nbytes, a.bytes.data());
+    return a;
+  }
+  std::vector<uint8_t> raw = detail::alloc_bytes(l.nbytes, source);
+  f.read(l.data_start, l.nbytes, raw.data());
+  return detail::npy_array(l, raw.data(), source);
 }
 
 /// The .npy encoding of `a`. version 0 picks 1.0 when the header fits its 16-bit length and
 /// 2.0 otherwise (as numpy does); 1, 2 or 3 force that version. bf16 is written as '<V2'.
 inline std::vector<uint8_t> encode_npy(const Array& a, int version = 0) {
-  a.validate("encode_npy");
   KVQ_REQUIRE(version >= 0 && version <= 3, kInvalidArgument, "encode_npy: version ", version,
               " is not 0 (auto), 1, 2 or 3");
+  a.validate("encode_npy");
   const char* descr = a.dtype == DType::kF32 ? "<f4" : a.dtype == DType::kF16 ? "<f2" : "<V2";
   std::string dict = detail::cat("{'descr': '", descr, "', 'fortran_order': False, 'shape': (");
   for (size_t i = 0; i < a.shape.size(); ++i) {
@@ -505,8 +550,8 @@ inline std::vector<uint8_t> encode_npy(const Array& a, int version = 0) {
   if (v == 0) v = padded(2) <= 0xffff ? 1 : 2;
   const size_t len_bytes = v == 1 ? 2 : 4;
   const size_t header_len = padded(len_bytes);
-  KVQ_REQUIRE(v != 1 || header_len <= 0xffff, kInvalidArgument,
-              "encode_npy: header of ", header_len, " bytes does not fit format 1.0");
+  KVQ_REQUIRE(v != 1 || header_len <= 0xffff, kInvalidArgument, "encode_npy: header of ",
+              header_len, " bytes does not fit format 1.0");
   std::vector<uint8_t> out;
   out.reserve(8 + len_bytes + header_len + a.bytes.size());
   const uint8_t pre[8] = {0x93, 'N', 'U', 'M', 'P', 'Y', static_cast<uint8_t>(v), 0};

@@ -48,9 +48,9 @@ inline constexpr size_t kMaxSafetensorsEntryValues = size_t{1} << 16;
 /// One tensor as described by the header.
 struct SafetensorsEntry {
   std::string name;
-  std::string dtype;            ///< as spelled in the file ("F32", "BF16", "I64", ...)
-  std::vector<int64_t> shape;   ///< row-major extents ([] = scalar)
-  int64_t begin = 0;            ///< byte range [begin, end) relative to the data buffer
+  std::string dtype;           ///< as spelled in the file ("F32", "BF16", "I64", ...)
+  std::vector<int64_t> shape;  ///< row-major extents ([] = scalar)
+  int64_t begin = 0;           ///< byte range [begin, end) relative to the data buffer
   int64_t end = 0;
 };
 
@@ -81,8 +81,7 @@ namespace detail {
 /// Bytes per element of a safetensors dtype, or 0 for a dtype this reader does not know
 /// (including the sub-byte F4/F6 types, whose sizes are not whole bytes).
 inline int safetensors_itemsize(const std::string& d) {
-  if (d == "BOOL" || d == "U8" || d == "I8" || d == "F8_E5M2" || d == "F8_E4M3" ||
-      d == "F8_E8M0") {
+  if (d == "BOOL" || d == "U8" || d == "I8" || d == "F8_E5M2" || d == "F8_E4M3" || d == "F8_E8M0") {
     return 1;
   }
   if (d == "I16" || d == "U16" || d == "F16" || d == "BF16") return 2;
@@ -101,8 +100,8 @@ class MemReader {
   MemReader(const uint8_t* p, size_t n, std::string name) : p_(p), n_(n), name_(std::move(name)) {}
   uint64_t size() const { return n_; }
   void read(uint64_t offset, size_t n, uint8_t* dst) const {
-    KVQ_REQUIRE(offset <= n_ && n <= n_ - offset, kIo, name_, ": read of ", n,
-                " bytes at offset ", offset, " runs past the end (", n_, " bytes)");
+    KVQ_REQUIRE(offset <= n_ && n <= n_ - offset, kIo, name_, ": read of ", n, " bytes at offset ",
+                offset, " runs past the end (", n_, " bytes)");
     if (n) std::memcpy(dst, p_ + offset, n);
   }
 
@@ -114,12 +113,11 @@ class MemReader {
 
 /// A non-negative int64 from a JSON number, or an error naming the tensor, field and value.
 inline int64_t st_index(const Json& v, const std::string& where, const char* field, size_t i) {
-  const std::string what = v.is_number() ? v.number_text() : std::string("a ") + v.type_name();
+  const std::string what = v.is_number() ? v.number_text() : std::string(v.described_type());
   const auto x = v.as_int64();
   KVQ_REQUIRE(x.has_value(), kIo, where, ": field '", field, "' entry ", i, " is ", what,
               ", not an integer that fits in int64");
-  KVQ_REQUIRE(*x >= 0, kIo, where, ": field '", field, "' entry ", i, " is ", *x,
-              ", must be >= 0");
+  KVQ_REQUIRE(*x >= 0, kIo, where, ": field '", field, "' entry ", i, " is ", *x, ", must be >= 0");
   return *x;
 }
 
@@ -127,7 +125,7 @@ inline int64_t st_index(const Json& v, const std::string& where, const char* fie
 inline SafetensorsEntry st_entry(const std::string& name, const Json& v, uint64_t data_size,
                                  const std::string& source) {
   const std::string where = source + ": tensor " + printable(name);
-  KVQ_REQUIRE(v.is_object(), kIo, where, ": entry is a ", v.type_name(), ", not an object");
+  KVQ_REQUIRE(v.is_object(), kIo, where, ": entry is ", v.described_type(), ", not an object");
   const Json* dtype = nullptr;
   const Json* shape = nullptr;
   const Json* offsets = nullptr;
@@ -150,13 +148,13 @@ inline SafetensorsEntry st_entry(const std::string& name, const Json& v, uint64_
 
   SafetensorsEntry e;
   e.name = name;
-  KVQ_REQUIRE(dtype->is_string(), kIo, where, ": field 'dtype' is a ", dtype->type_name(),
+  KVQ_REQUIRE(dtype->is_string(), kIo, where, ": field 'dtype' is ", dtype->described_type(),
               ", not a string");
   e.dtype = dtype->as_string();
   const int itemsize = safetensors_itemsize(e.dtype);
   KVQ_REQUIRE(itemsize > 0, kIo, where, ": unknown dtype ", printable(e.dtype));
 
-  KVQ_REQUIRE(shape->is_array(), kIo, where, ": field 'shape' is a ", shape->type_name(),
+  KVQ_REQUIRE(shape->is_array(), kIo, where, ": field 'shape' is ", shape->described_type(),
               ", not an array");
   KVQ_REQUIRE(shape->size() <= static_cast<size_t>(kMaxRank), kIo, where, ": field 'shape' has ",
               shape->size(), " entries, more than the limit of ", kMaxRank);
@@ -167,7 +165,7 @@ inline SafetensorsEntry st_entry(const std::string& name, const Json& v, uint64_
   KVQ_REQUIRE(offsets->is_array() && offsets->size() == 2, kIo, where,
               ": field 'data_offsets' must be an array [begin, end], got ",
               offsets->is_array() ? cat("an array of ", offsets->size())
-                                  : std::string("a ") + offsets->type_name());
+                                  : std::string(offsets->described_type()));
   e.begin = st_index(offsets->items()[0], where, "data_offsets", 0);
   e.end = st_index(offsets->items()[1], where, "data_offsets", 1);
   const std::string range = cat("[", e.begin, ", ", e.end, "]");
@@ -219,12 +217,12 @@ SafetensorsHeader st_read_header(Reader& r, const std::string& source) {
       if (name == "__metadata__") {
         KVQ_REQUIRE(!saw_metadata, kIo, source, ": duplicate '__metadata__'");
         saw_metadata = true;
-        KVQ_REQUIRE(v.is_object(), kIo, source, ": '__metadata__' is a ", v.type_name(),
+        KVQ_REQUIRE(v.is_object(), kIo, source, ": '__metadata__' is ", v.described_type(),
                     ", not an object of strings");
         for (size_t i = 0; i < v.keys().size(); ++i) {
           const Json& mv = v.items()[i];
           KVQ_REQUIRE(mv.is_string(), kIo, source, ": '__metadata__' value of ",
-                      printable(v.keys()[i]), " is a ", mv.type_name(), ", not a string");
+                      printable(v.keys()[i]), " is ", mv.described_type(), ", not a string");
           h.metadata[v.keys()[i]] = mv.as_string();
         }
       } else {
@@ -282,11 +280,12 @@ Array st_read_tensor(Reader& r, const SafetensorsHeader& h, const SafetensorsEnt
   } else if (e.dtype == "BF16") {
     a.dtype = DType::kBF16;
   } else {
-    fail(ErrorKind::kIo, source, ": tensor ", printable(e.name), " has dtype ",
-         printable(e.dtype), "; kvq reads only F32, F16 and BF16 tensors");
+    fail(ErrorKind::kIo, source, ": tensor ", printable(e.name), " has dtype ", printable(e.dtype),
+         "; kvq reads only F32, F16 and BF16 tensors");
   }
   a.shape = e.shape;
-  a.bytes.resize(static_cast<size_t>(e.end - e.begin));
+  a.bytes =
+      alloc_bytes(static_cast<size_t>(e.end - e.begin), source + ": tensor " + printable(e.name));
   r.read(h.data_start + static_cast<uint64_t>(e.begin), a.bytes.size(), a.bytes.data());
   return a;
 }
@@ -336,8 +335,7 @@ inline std::string st_header(const NamedArrays& tensors,
     names.push_back(&name);
     if (!first) j += ',';
     first = false;
-    j += json_quote(name) + ":{\"dtype\":\"" + safetensors_dtype_name(a->dtype) +
-         "\",\"shape\":[";
+    j += json_quote(name) + ":{\"dtype\":\"" + safetensors_dtype_name(a->dtype) + "\",\"shape\":[";
     for (size_t i = 0; i < a->shape.size(); ++i) {
       if (i) j += ',';
       j += std::to_string(a->shape[i]);

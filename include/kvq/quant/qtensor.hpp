@@ -101,10 +101,12 @@ class MetaBuffer {
  public:
   MetaBuffer() = default;
   MetaBuffer(MetaDType dt, std::size_t n) { reset(dt, n); }
+  /// Sizes the buffer for n values of type dt. Existing storage is reused (not cleared): every
+  /// slot is written by the quantizer that calls this.
   void reset(MetaDType dt, std::size_t n) {
     dtype_ = dt;
     count_ = n;
-    bytes_.assign(n * static_cast<std::size_t>(meta_size(dt)), 0);
+    bytes_.resize(n * static_cast<std::size_t>(meta_size(dt)));
   }
   /// Stores v (rounded to the storage type) and returns the value actually stored.
   float set(std::size_t i, float v) {

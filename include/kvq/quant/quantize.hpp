@@ -57,16 +57,23 @@ void dequantize_raw(const QTensor& q, const KVView<T>& out) {
 /// Stores `x` ([tokens, heads, head_dim]) under `cfg`. Bad input (NaN/inf, shapes that do not
 /// fit the groups, metadata overflow, unsupported parameters) throws kvq::Error and leaves no
 /// partial result.
+/// The result goes into `out`, whose buffers are reused (no allocation when the shape repeats).
 template <class T>
-QTensor quantize(const QuantConfig& cfg, const KVView<const T>& x) {
+void quantize(const QuantConfig& cfg, const KVView<const T>& x, QTensor& out) {
   switch (cfg.format) {
-    case Format::kF32: return detail::quantize_raw<float>(cfg, x);
-    case Format::kF16: return detail::quantize_raw<f16>(cfg, x);
-    case Format::kBF16: return detail::quantize_raw<bf16>(cfg, x);
-    case Format::kInt: return quantize_uniform(cfg, x);
+    case Format::kF32: out = detail::quantize_raw<float>(cfg, x); return;
+    case Format::kF16: out = detail::quantize_raw<f16>(cfg, x); return;
+    case Format::kBF16: out = detail::quantize_raw<bf16>(cfg, x); return;
+    case Format::kInt: quantize_uniform(cfg, x, out); return;
     default: break;
   }
   fail(ErrorKind::kUnsupported, "format ", to_string(cfg.format), " is not available");
+}
+template <class T>
+QTensor quantize(const QuantConfig& cfg, const KVView<const T>& x) {
+  QTensor q;
+  quantize(cfg, x, q);
+  return q;
 }
 template <class T>
 QTensor quantize(const QuantConfig& cfg, const KVView<T>& x) {

@@ -22,29 +22,38 @@
 namespace kvq {
 
 namespace detail {
-inline QTensor make_uniform_qtensor(const QuantConfig& cfg, const Shape& s, const GroupBox& box) {
-  QTensor q;
+/// Prepares `q` for (cfg, s), reusing its buffers' capacity (engines quantize into the same
+/// block repeatedly; fresh allocations would page-fault on every call).
+inline void prepare_qtensor(QTensor& q, const QuantConfig& cfg, const Shape& s, std::size_t groups,
+                            std::size_t code_bytes) {
   q.config = cfg;
   q.shape = s;
-  q.codes.assign(packed_bytes(static_cast<std::size_t>(s.numel()), cfg.bits), 0);
-  const auto groups = static_cast<std::size_t>(s.numel() > 0 ? box.count() : 0);
+  q.codes.resize(code_bytes);
+  if (code_bytes > 0) q.codes.back() = 0;  // unused trailing bits are zero
   q.scales.reset(cfg.meta, groups);
-  q.zeros.reset(cfg.meta, cfg.symmetric ? 0 : groups);
-  return q;
+  q.zeros.reset(cfg.meta, cfg.symmetric || cfg.format != Format::kInt ? 0 : groups);
+  q.norms.reset(cfg.meta, 0);
+  q.qjl_signs.clear();
+  q.qjl_norms.reset(cfg.meta, 0);
+  q.has_seed = false;
 }
 }  // namespace detail
 
 /// Quantizes `x` ([tokens, heads, head_dim], any strides, f32/f16/bf16) with a uniform integer
 /// config. Throws on NaN/inf input (naming the element), on groups that do not divide the
 /// shape, and on metadata overflow.
+/// The result is written into `q`, reusing its storage; on error `q` is left unspecified but
+/// valid (callers that must keep a block intact quantize into a scratch QTensor).
 template <class T>
-QTensor quantize_uniform(const QuantConfig& cfg, const KVView<const T>& x) {
+void quantize_uniform(const QuantConfig& cfg, const KVView<const T>& x, QTensor& q) {
   KVQ_REQUIRE(cfg.format == Format::kInt, kInvalidArgument, "quantize_uniform needs an int config");
   check_uniform_bits(cfg.bits);
   const Shape s = x.shape();
   const GroupBox box = group_box(cfg.axis, cfg.group, s);
-  QTensor q = detail::make_uniform_qtensor(cfg, s, box);
-  if (s.numel() == 0) return q;
+  const auto n = static_cast<std::size_t>(s.numel());
+  detail::prepare_qtensor(q, cfg, s, n > 0 ? static_cast<std::size_t>(box.count()) : 0,
+                          packed_bytes(n, cfg.bits));
+  if (n == 0) return;
 
   const int64_t H = s.heads, D = s.head_dim;
   const UniformLevels lv = uniform_levels(cfg.bits, cfg.symmetric);
@@ -130,6 +139,12 @@ QTensor quantize_uniform(const QuantConfig& cfg, const KVView<const T>& x) {
       }
     }
   }
+}
+
+template <class T>
+QTensor quantize_uniform(const QuantConfig& cfg, const KVView<const T>& x) {
+  QTensor q;
+  quantize_uniform(cfg, x, q);
   return q;
 }
 

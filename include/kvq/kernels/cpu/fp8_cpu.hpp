@@ -14,7 +14,7 @@
 ///    constant that also rebiases the exponent (the same formula as the scalar code);
 ///  - encode, subnormal results: |x| + 2^(23+1-bias-mant) with round-to-nearest-even (embedded
 ///    rounding on AVX-512) rounds |x| to whole fp8 subnormal steps, which land in the low bits;
-///  - overflow, saturation, inf and NaN: one clamp of |x| (vrangeps / vminps keep NaN) to
+///  - overflow, saturation, inf and NaN: one clamp of |x| (vminps, which keeps a NaN) to
 ///    max_finite (saturating) or to the value of the overflow code (non-saturating: 480 for
 ///    e4m3, whose code is the NaN 0x7F; 65536 for e5m2, code 0x7C = inf); a NaN gives a code
 ///    above 255 which the unsigned-saturating packs turn into 0xFF, and the sign merge maps
@@ -94,17 +94,18 @@ inline __m512 fp8_load16(const f16* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-/// AVX-512 (F/BW/VL/DQ) encoder: 64 values -> 64 codes per block, about 11 vector ops per 16.
+/// AVX-512 (F/BW/VL/DQ) encoder: 64 values -> 64 codes per block, about 12 vector ops per 16.
 template <class F>
 struct Fp8EncodeAvx512 {
   __m512 clamp, min_normal, magic, inv_scale;
-  __m512i round_rebias, lsb_bit, one, magic_bits, sign_bit, perm;
+  __m512i abs_mask, round_rebias, lsb_bit, one, magic_bits, sign_bit, perm;
 
   Fp8EncodeAvx512(float inv, bool saturate)
       : clamp(_mm512_set1_ps(fp8_clamp<F>(saturate))),
         min_normal(_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(F::kMinNormalBits)))),
         magic(_mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(F::kSubMagicBits)))),
         inv_scale(_mm512_set1_ps(inv)),
+        abs_mask(_mm512_set1_epi32(0x7fffffff)),
         round_rebias(_mm512_set1_epi32(static_cast<int>(F::kRoundRebias))),
         lsb_bit(_mm512_set1_epi32(1 << F::kShift)),
         one(_mm512_set1_epi32(1)),
@@ -114,8 +115,10 @@ struct Fp8EncodeAvx512 {
 
   /// Magnitude codes as int32: 0..max for numbers, > 255 for NaN.
   __m512i magnitude(__m512 p) const {
-    // min(|p|, clamp) with the sign cleared; a NaN p comes back as a NaN.
-    const __m512 ax = _mm512_range_ps(p, clamp, 0x0A);
+    // vminps returns its second operand when either is NaN, so a NaN |p| survives the clamp
+    // (vrangeps would do abs and min in one op but returns the non-NaN operand).
+    const __m512 ax = _mm512_min_ps(clamp, _mm512_castsi512_ps(_mm512_and_si512(
+                                               _mm512_castps_si512(p), abs_mask)));
     const __m512i axi = _mm512_castps_si512(ax);
     __m512i t = _mm512_add_epi32(axi, round_rebias);
     t = _mm512_mask_add_epi32(t, _mm512_test_epi32_mask(axi, lsb_bit), t, one);
