@@ -69,6 +69,17 @@ TEST(Accountant, MatchesPackedBytesForEveryConfig) {
       EXPECT_EQ(kvq::quantize(c, x).bytes(), kvq::account(c, s).total());
       ++checked;
     }
+    for (Format f : {Format::kE4M3, Format::kE5M2})
+      for (Axis a : {Axis::kToken, Axis::kHead, Axis::kTensor})
+        for (auto meta : {kvq::MetaDType::kF16, kvq::MetaDType::kF32}) {
+          QuantConfig c;
+          c.format = f;
+          c.bits = 8;
+          c.axis = a;
+          c.meta = meta;
+          ASSERT_EQ(kvq::quantize(c, x).breakdown(), kvq::account(c, s)) << c.name();
+          ++checked;
+        }
     for (int bits : {2, 3, 4, 8})
       for (bool sym : {false, true})
         for (Axis a : {Axis::kToken, Axis::kChannel, Axis::kHead, Axis::kTensor})

@@ -9,7 +9,7 @@
 #include "kvq/core/rows.hpp"
 #include "kvq/core/tensor.hpp"
 #include "kvq/quant/qtensor.hpp"
-#include "kvq/quant/uniform_quant.hpp"
+#include "kvq/quant/grouped_quant.hpp"
 
 namespace kvq {
 
@@ -65,6 +65,8 @@ void quantize(const QuantConfig& cfg, const KVView<const T>& x, QTensor& out) {
     case Format::kF16: out = detail::quantize_raw<f16>(cfg, x); return;
     case Format::kBF16: out = detail::quantize_raw<bf16>(cfg, x); return;
     case Format::kInt: quantize_uniform(cfg, x, out); return;
+    case Format::kE4M3:
+    case Format::kE5M2: quantize_fp8(cfg, x, out); return;
     default: break;
   }
   fail(ErrorKind::kUnsupported, "format ", to_string(cfg.format), " is not available");
@@ -91,6 +93,8 @@ void dequantize(const QTensor& q, const KVView<T>& out) {
     case Format::kF16: return detail::dequantize_raw<f16>(q, out);
     case Format::kBF16: return detail::dequantize_raw<bf16>(q, out);
     case Format::kInt: return dequantize_uniform(q, out);
+    case Format::kE4M3:
+    case Format::kE5M2: return dequantize_fp8(q, out);
     default: break;
   }
   fail(ErrorKind::kUnsupported, "format ", to_string(q.config.format), " is not available");

@@ -1,0 +1,294 @@
+#pragma once
+/// \file grouped_quant.hpp
+/// Grouped scalar quantizers (fast path): uniform integers and scaled FP8 share one driver that
+/// walks the tensor one token block (the group extent along tokens) at a time, so per-channel
+/// statistics and encoding read the block while it is still in cache. A codec supplies the
+/// per-group parameters from the group's [min, max] and the encode/decode of contiguous runs.
+///
+/// Codes are packed in [tokens, heads, head_dim] order; metadata is one scale (and one zero
+/// point for asymmetric integers) per group box, in box order (token block, head block,
+/// channel block). reference/uniform_ref.hpp and reference/fp8_quant_ref.hpp are the scalar
+/// oracles: tests require identical bytes.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "kvq/core/bitpack.hpp"
+#include "kvq/core/rows.hpp"
+#include "kvq/format/fp8.hpp"
+#include "kvq/format/uniform.hpp"
+#include "kvq/geometry/grouping.hpp"
+#include "kvq/kernels/cpu/uniform_cpu.hpp"
+#include "kvq/quant/qtensor.hpp"
+
+namespace kvq {
+
+namespace detail {
+
+/// Prepares `q` for (cfg, s), reusing its buffers' capacity (engines quantize into the same
+/// block repeatedly; fresh allocations would page-fault on every call).
+inline void prepare_qtensor(QTensor& q, const QuantConfig& cfg, const Shape& s, std::size_t groups,
+                            std::size_t code_bytes, bool zeros) {
+  q.config = cfg;
+  q.shape = s;
+  q.codes.resize(code_bytes);
+  if (code_bytes > 0) q.codes.back() = 0;  // unused trailing bits are zero
+  q.scales.reset(cfg.meta, groups);
+  q.zeros.reset(cfg.meta, zeros ? groups : 0);
+  q.norms.reset(cfg.meta, 0);
+  q.qjl_signs.clear();
+  q.qjl_norms.reset(cfg.meta, 0);
+  q.has_seed = false;
+}
+
+/// Uniform integer codec (see format/uniform.hpp for the formulas).
+struct IntCodec {
+  int bits;
+  bool symmetric;
+  MetaDType meta;
+  UniformLevels lv;
+  explicit IntCodec(const QuantConfig& c)
+      : bits(c.bits), symmetric(c.symmetric), meta(c.meta), lv(uniform_levels(c.bits, c.symmetric)) {
+    check_uniform_bits(c.bits);
+  }
+  bool has_zero() const { return !symmetric; }
+  UniformParams params(float lo, float hi, int64_t g) const {
+    return uniform_params(lo, hi, bits, symmetric, meta, g);
+  }
+  void encode(const float* x, int64_t n, float z, float inv, uint8_t* c) const {
+    kernels::encode_run(x, n, z, inv, lv.off, lv.qmax, c);
+  }
+  void encode_vec(const float* x, const float* z, const float* inv, int64_t n, uint8_t* c) const {
+    kernels::encode_run_vec(x, z, inv, n, lv.off, lv.qmax, c);
+  }
+  void decode(const uint8_t* c, int64_t n, float s, float z, float* out) const {
+    kernels::decode_run(c, n, s, z, lv.off, out);
+  }
+  void decode_vec(const uint8_t* c, const float* s, const float* z, int64_t n, float* out) const {
+    kernels::decode_run_vec(c, s, z, n, lv.off, out);
+  }
+};
+
+/// Scaled FP8 codec: scale = amax * margin / max_finite (fp8::compute_scale), rounded to the
+/// metadata type; code = encode(x * (1/scale)) saturating; x' = decode(code) * scale.
+/// With fp16 metadata a scale that underflows fp16 is raised to the smallest fp16 subnormal and
+/// one that overflows it is an error (kOutOfRange: use fp32 metadata).
+struct Fp8Codec {
+  fp8::Fp8Kind kind;
+  float margin;
+  MetaDType meta;
+  explicit Fp8Codec(const QuantConfig& c)
+      : kind(c.format == Format::kE5M2 ? fp8::Fp8Kind::kE5M2 : fp8::Fp8Kind::kE4M3),
+        margin(c.fp8_margin),
+        meta(c.meta) {}
+  bool has_zero() const { return false; }
+  UniformParams params(float lo, float hi, int64_t g) const {
+    const float amax = std::max(-lo, hi) + 0.0f;
+    UniformParams p;
+    p.scale = round_meta(meta, fp8::compute_scale(kind, amax, margin));
+    if (p.scale == 0.f) p.scale = half_bits_to_float(1);  // fp16 underflow: smallest subnormal
+    KVQ_REQUIRE(std::isfinite(p.scale), kOutOfRange, "fp8 scale of group ", g, " (amax ", amax,
+                ") overflows ", to_string(meta), " metadata; use f32 metadata");
+    p.inv = 1.0f / p.scale;
+    return p;
+  }
+  void encode(const float* x, int64_t n, float, float inv, uint8_t* c) const {
+    fp8::encode(kind, x, c, static_cast<std::size_t>(n), inv, true);
+  }
+  void encode_vec(const float* x, const float*, const float* inv, int64_t n, uint8_t* c) const {
+    for (int64_t i = 0; i < n; ++i) c[i] = fp8::encode(kind, x[i] * inv[i], true);
+  }
+  void decode(const uint8_t* c, int64_t n, float s, float, float* out) const {
+    fp8::decode(kind, c, out, static_cast<std::size_t>(n), s);
+  }
+  void decode_vec(const uint8_t* c, const float* s, const float*, int64_t n, float* out) const {
+    for (int64_t i = 0; i < n; ++i) out[i] = fp8::decode(kind, c[i]) * s[i];
+  }
+};
+
+/// The driver: quantizes x into q with `codec`, `bits` wide codes.
+template <class Codec, class T>
+void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
+                      const KVView<const T>& x, QTensor& q) {
+  const Shape s = x.shape();
+  const GroupBox box = group_box(cfg.axis, cfg.group, s);
+  const auto n = static_cast<std::size_t>(s.numel());
+  prepare_qtensor(q, cfg, s, n > 0 ? static_cast<std::size_t>(box.count()) : 0,
+                  packed_bytes(n, bits), codec.has_zero());
+  if (n == 0) return;
+
+  const int64_t H = s.heads, D = s.head_dim;
+  std::vector<float> buf(static_cast<std::size_t>(D));
+  std::vector<uint8_t> code_buf(static_cast<std::size_t>(D));
+  // Per-block parameters for the channel/head/tensor axes: [heads, head_dim] or [heads] or [1].
+  const bool per_channel = cfg.axis == Axis::kChannel;
+  const std::size_t np = per_channel ? static_cast<std::size_t>(H * D)
+                                     : (cfg.axis == Axis::kHead ? static_cast<std::size_t>(H) : 1);
+  std::vector<float> lo(np), hi(np), zv(np), iv(np);
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+
+  auto store_params = [&](int64_t g, float l, float h) {
+    const UniformParams p = codec.params(l, h, g);
+    q.scales.set(static_cast<std::size_t>(g), p.scale);
+    if (codec.has_zero()) q.zeros.set(static_cast<std::size_t>(g), p.zero);
+    return p;
+  };
+  auto code_dst = [&](int64_t t, int64_t h) {
+    return bits == 8 ? q.codes.data() + (t * H + h) * D : code_buf.data();
+  };
+  auto emit = [&](int64_t t, int64_t h, const uint8_t* codes) {
+    if (bits == 8) return;  // encoded in place
+    const auto off = static_cast<std::size_t>((t * H + h) * D);
+    kernels::pack_codes(codes, static_cast<std::size_t>(D), bits, q.codes.data(), off * bits);
+  };
+
+  for (int64_t tb = 0; tb < box.nt; ++tb) {
+    const int64_t t0 = tb * box.gt, t1 = t0 + box.gt;
+    if (cfg.axis == Axis::kToken) {  // groups inside one row: statistics and encoding fused
+      for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t h = 0; h < H; ++h) {
+          const float* row = load_row(x, t, h, buf.data());
+          uint8_t* dst = code_dst(t, h);
+          for (int64_t c0 = 0; c0 < D; c0 += box.gc) {
+            float l = kInf, u = -kInf;
+            if (!kernels::minmax(row + c0, box.gc, l, u)) throw_non_finite_row(x, t, h, "quantize");
+            const UniformParams p = store_params(box.index(t, h, c0), l, u);
+            codec.encode(row + c0, box.gc, p.zero, p.inv, dst + c0);
+          }
+          emit(t, h, dst);
+        }
+      }
+      continue;
+    }
+    std::fill(lo.begin(), lo.end(), kInf);
+    std::fill(hi.begin(), hi.end(), -kInf);
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t h = 0; h < H; ++h) {
+        const float* row = load_row(x, t, h, buf.data());
+        bool ok;
+        if (per_channel) {
+          ok = kernels::minmax_elementwise(row, lo.data() + h * D, hi.data() + h * D, D);
+        } else {
+          const std::size_t k = cfg.axis == Axis::kHead ? static_cast<std::size_t>(h) : 0;
+          ok = kernels::minmax(row, D, lo[k], hi[k]);
+        }
+        if (!ok) throw_non_finite_row(x, t, h, "quantize");
+      }
+    }
+    const int64_t g0 = tb * box.nh * box.nc;  // first group of this token block
+    for (std::size_t k = 0; k < np; ++k) {
+      const UniformParams p = store_params(g0 + static_cast<int64_t>(k), lo[k], hi[k]);
+      zv[k] = p.zero;
+      iv[k] = p.inv;
+    }
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t h = 0; h < H; ++h) {
+        const float* row = load_row(x, t, h, buf.data());
+        uint8_t* dst = code_dst(t, h);
+        if (per_channel) {
+          codec.encode_vec(row, zv.data() + h * D, iv.data() + h * D, D, dst);
+        } else {
+          const std::size_t k = cfg.axis == Axis::kHead ? static_cast<std::size_t>(h) : 0;
+          codec.encode(row, D, zv[k], iv[k], dst);
+        }
+        emit(t, h, dst);
+      }
+    }
+  }
+}
+
+/// The inverse driver: reconstructs q into out with `codec`.
+template <class Codec, class T>
+void grouped_dequantize(const QTensor& q, const Codec& codec, int bits, const KVView<T>& out) {
+  const QuantConfig& cfg = q.config;
+  const Shape s = q.shape;
+  if (s.numel() == 0) return;
+  const GroupBox box = group_box(cfg.axis, cfg.group, s);
+  const int64_t H = s.heads, D = s.head_dim;
+  std::vector<float> buf(static_cast<std::size_t>(D));
+  std::vector<uint8_t> code_buf(static_cast<std::size_t>(D));
+  const bool per_channel = cfg.axis == Axis::kChannel;
+  std::vector<float> sv, zv;
+  if (per_channel) {
+    sv.resize(static_cast<std::size_t>(H * D));
+    zv.resize(static_cast<std::size_t>(H * D));
+  }
+  const bool direct = std::is_same_v<T, float> && out.dim_contiguous();
+  auto zero_of = [&](std::size_t g) { return codec.has_zero() ? q.zeros.get(g) : 0.f; };
+
+  for (int64_t tb = 0; tb < box.nt; ++tb) {
+    if (per_channel) {
+      const int64_t g0 = tb * box.nh * box.nc;
+      for (int64_t k = 0; k < H * D; ++k) {
+        sv[static_cast<std::size_t>(k)] = q.scales.get(static_cast<std::size_t>(g0 + k));
+        zv[static_cast<std::size_t>(k)] = zero_of(static_cast<std::size_t>(g0 + k));
+      }
+    }
+    for (int64_t t = tb * box.gt; t < (tb + 1) * box.gt; ++t) {
+      for (int64_t h = 0; h < H; ++h) {
+        const auto off = static_cast<std::size_t>((t * H + h) * D);
+        const uint8_t* codes = q.codes.data() + off;
+        if (bits != 8) {
+          kernels::unpack_codes(q.codes.data(), static_cast<std::size_t>(D), bits,
+                                code_buf.data(), off * bits);
+          codes = code_buf.data();
+        }
+        float* dst = buf.data();
+        if constexpr (std::is_same_v<T, float>) {
+          if (direct) dst = out.row(t, h);
+        }
+        if (per_channel) {
+          codec.decode_vec(codes, sv.data() + h * D, zv.data() + h * D, D, dst);
+        } else {
+          for (int64_t c0 = 0; c0 < D; c0 += box.gc) {
+            const auto g = static_cast<std::size_t>(box.index(t, h, c0));
+            codec.decode(codes + c0, box.gc, q.scales.get(g), zero_of(g), dst + c0);
+          }
+        }
+        if (!direct) store_row(out, t, h, dst);
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
+/// Quantizes `x` ([tokens, heads, head_dim], any strides, f32/f16/bf16) with a uniform integer
+/// config into `q` (its storage is reused). Throws on NaN/inf input (naming the element), on
+/// groups that do not divide the shape, and on metadata overflow.
+template <class T>
+void quantize_uniform(const QuantConfig& cfg, const KVView<const T>& x, QTensor& q) {
+  KVQ_REQUIRE(cfg.format == Format::kInt, kInvalidArgument, "quantize_uniform needs an int config");
+  detail::grouped_quantize(cfg, detail::IntCodec(cfg), cfg.bits, x, q);
+}
+template <class T>
+QTensor quantize_uniform(const QuantConfig& cfg, const KVView<const T>& x) {
+  QTensor q;
+  quantize_uniform(cfg, x, q);
+  return q;
+}
+/// Reconstructs a uniform-int QTensor into `out` (same shape; f32/f16/bf16; any strides).
+template <class T>
+void dequantize_uniform(const QTensor& q, const KVView<T>& out) {
+  KVQ_REQUIRE(q.config.format == Format::kInt, kInvalidArgument, "dequantize_uniform needs int data");
+  detail::grouped_dequantize(q, detail::IntCodec(q.config), q.config.bits, out);
+}
+
+/// Scaled FP8 (e4m3fn / e5m2) with one computed scale per group (axis token, channel, head or
+/// tensor); codes are the same bytes CUDA's saturating conversion of x / scale gives.
+template <class T>
+void quantize_fp8(const QuantConfig& cfg, const KVView<const T>& x, QTensor& q) {
+  KVQ_REQUIRE(cfg.format == Format::kE4M3 || cfg.format == Format::kE5M2, kInvalidArgument,
+              "quantize_fp8 needs an e4m3 or e5m2 config");
+  detail::grouped_quantize(cfg, detail::Fp8Codec(cfg), 8, x, q);
+}
+template <class T>
+void dequantize_fp8(const QTensor& q, const KVView<T>& out) {
+  KVQ_REQUIRE(q.config.format == Format::kE4M3 || q.config.format == Format::kE5M2,
+              kInvalidArgument, "dequantize_fp8 needs fp8 data");
+  detail::grouped_dequantize(q, detail::Fp8Codec(q.config), 8, out);
+}
+
+}  // namespace kvq
