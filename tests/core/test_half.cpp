@@ -133,3 +133,18 @@ TEST(BF16, RoundsToNearestEvenIncludingSubnormals) {
 }
 
 }  // namespace
+
+namespace {
+TEST(Half, ScalarFastPathsMatch) {
+  for (uint32_t i = 0; i < 65536; ++i) {
+    const float a = kvq::half_bits_to_float(static_cast<uint16_t>(i));
+    const float b = kvq::half_bits_to_float_fast(static_cast<uint16_t>(i));
+    ASSERT_EQ(bits_of(a), bits_of(b)) << i;
+  }
+  std::mt19937 rng(3);
+  for (int i = 0; i < 200000; ++i) {
+    const float f = float_of(rng());
+    ASSERT_EQ(kvq::float_to_half_bits(f), kvq::float_to_half_bits_fast(f)) << std::hex << bits_of(f);
+  }
+}
+}  // namespace

@@ -95,6 +95,23 @@ KVQ_HOST_DEVICE float bf16_bits_to_float(uint16_t b) {
   return detail::bits_f32(static_cast<uint32_t>(b) << 16);
 }
 
+/// Host fast path of float_to_half_bits (single F16C instruction when compiled in); same bits.
+inline uint16_t float_to_half_bits_fast(float f) {
+#if KVQ_HAS_F16C
+  return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  return float_to_half_bits(f);
+#endif
+}
+/// Host fast path of half_bits_to_float; same bits.
+inline float half_bits_to_float_fast(uint16_t h) {
+#if KVQ_HAS_F16C
+  return _cvtsh_ss(h);
+#else
+  return half_bits_to_float(h);
+#endif
+}
+
 /// IEEE binary16 storage type (no arithmetic: convert to float to compute).
 struct f16 {
   uint16_t bits = 0;

@@ -48,12 +48,7 @@ inline const char* to_string(MetaDType m) { return m == MetaDType::kF16 ? "f16" 
 
 /// Rounds v to what a metadata slot of type m stores.
 inline float round_meta(MetaDType m, float v) {
-  if (m == MetaDType::kF32) return v;
-#if KVQ_HAS_F16C
-  return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#else
-  return half_bits_to_float(float_to_half_bits(v));
-#endif
+  return m == MetaDType::kF32 ? v : half_bits_to_float_fast(float_to_half_bits_fast(v));
 }
 
 /// Everything that defines how one tensor is stored.
@@ -111,9 +106,9 @@ class MetaBuffer {
   /// Stores v (rounded to the storage type) and returns the value actually stored.
   float set(std::size_t i, float v) {
     if (dtype_ == MetaDType::kF16) {
-      const uint16_t h = float_to_half_bits(v);
+      const uint16_t h = float_to_half_bits_fast(v);
       std::memcpy(bytes_.data() + 2 * i, &h, 2);
-      return half_bits_to_float(h);
+      return half_bits_to_float_fast(h);
     }
     std::memcpy(bytes_.data() + 4 * i, &v, 4);
     return v;
@@ -122,7 +117,7 @@ class MetaBuffer {
     if (dtype_ == MetaDType::kF16) {
       uint16_t h;
       std::memcpy(&h, bytes_.data() + 2 * i, 2);
-      return half_bits_to_float(h);
+      return half_bits_to_float_fast(h);
     }
     float v;
     std::memcpy(&v, bytes_.data() + 4 * i, 4);
