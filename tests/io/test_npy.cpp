@@ -253,6 +253,11 @@ TEST(Npy, WriterRejectsInconsistentArrays) {
   a.bytes.resize(12);
   EXPECT_TRUE(kvq_test::throws_error([&] { kvq::io::encode_npy(a); }, ErrorKind::kInvalidArgument,
                                      {"[2, 2]", "12"}));
+  Array deep;
+  deep.shape.assign(65, 1);
+  deep.bytes.resize(4);
+  EXPECT_TRUE(kvq_test::throws_error([&] { kvq::io::encode_npy(deep); },
+                                     ErrorKind::kInvalidArgument, {"rank 65"}));
   EXPECT_TRUE(kvq_test::throws_error(
       [&] { kvq::io::encode_npy(Array::from_float(iota(1), {1}, DType::kF32), 4); },
       ErrorKind::kInvalidArgument, {"version 4"}));
