@@ -10,6 +10,7 @@
 #include "kvq/core/tensor.hpp"
 #include "kvq/quant/qtensor.hpp"
 #include "kvq/quant/grouped_quant.hpp"
+#include "kvq/quant/lloyd_max_quant.hpp"
 
 namespace kvq {
 
@@ -67,9 +68,9 @@ void quantize(const QuantConfig& cfg, const KVView<const T>& x, QTensor& out) {
     case Format::kInt: quantize_uniform(cfg, x, out); return;
     case Format::kE4M3:
     case Format::kE5M2: quantize_fp8(cfg, x, out); return;
-    default: break;
+    case Format::kLloydMax: quantize_lloyd_max(cfg, x, out); return;
   }
-  fail(ErrorKind::kUnsupported, "format ", to_string(cfg.format), " is not available");
+  fail(ErrorKind::kInvalidArgument, "unknown format code ", static_cast<int>(cfg.format));
 }
 template <class T>
 QTensor quantize(const QuantConfig& cfg, const KVView<const T>& x) {
@@ -95,9 +96,9 @@ void dequantize(const QTensor& q, const KVView<T>& out) {
     case Format::kInt: return dequantize_uniform(q, out);
     case Format::kE4M3:
     case Format::kE5M2: return dequantize_fp8(q, out);
-    default: break;
+    case Format::kLloydMax: return dequantize_lloyd_max(q, out);
   }
-  fail(ErrorKind::kUnsupported, "format ", to_string(q.config.format), " is not available");
+  fail(ErrorKind::kInvalidArgument, "unknown format code ", static_cast<int>(q.config.format));
 }
 
 }  // namespace kvq
