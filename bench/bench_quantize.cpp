@@ -69,7 +69,51 @@ void BM_Dequantize(benchmark::State& state, int bits, kvq::Axis axis) {
                           static_cast<int64_t>(sizeof(T)));
 }
 
+kvq::QuantConfig lm_cfg(int bits) {
+  kvq::QuantConfig c;
+  c.format = kvq::Format::kLloydMax;
+  c.bits = bits;
+  return c;
+}
+
+void BM_QuantizeCfg(benchmark::State& state, kvq::QuantConfig cfg) {
+  const kvq::Shape s = bench_shape<float>();
+  const auto x = bench_input<float>();
+  kvq::KVView<const float> view(x.data(), s);
+  kvq::QTensor q;
+  kvq::quantize(cfg, view, q);
+  for (auto _ : state) {
+    kvq::quantize(cfg, view, q);
+    benchmark::DoNotOptimize(q.codes.data());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * s.numel() * 4);
+}
+
+void BM_DequantizeCfg(benchmark::State& state, kvq::QuantConfig cfg) {
+  const kvq::Shape s = bench_shape<float>();
+  const auto f = kvq_bench::make_input(static_cast<size_t>(s.numel()));
+  const auto q = kvq::quantize(cfg, kvq::KVView<const float>(f.data(), s));
+  std::vector<float> out(f.size());
+  kvq::KVView<float> view(out.data(), s);
+  for (auto _ : state) {
+    kvq::dequantize(q, view);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * s.numel() * 4);
+}
+
 int register_all() {
+  for (int bits : {2, 3, 4}) {
+    const std::string tail = "lm" + std::to_string(bits) + "/rot/f32";
+    benchmark::RegisterBenchmark(("BM_Quantize/" + tail).c_str(), BM_QuantizeCfg, lm_cfg(bits))
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark(("BM_Dequantize/" + tail).c_str(), BM_DequantizeCfg,
+                                 lm_cfg(bits))
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+  }
   for (int bits : {2, 4, 8}) {
     for (kvq::Axis axis : {kvq::Axis::kToken, kvq::Axis::kChannel}) {
       const std::string tail = "int" + std::to_string(bits) + "/" + kvq::to_string(axis);

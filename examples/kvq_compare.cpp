@@ -72,6 +72,34 @@ std::vector<Scheme> default_grid() {
                      std::to_string(bits) + "_0)",
                  "K token / V token", integer(bits, Axis::kToken, 32, true),
                  integer(bits, Axis::kToken, 32, true)});
+  auto fp8 = [](kvq::Format f, Axis a) {
+    kvq::QuantConfig c;
+    c.format = f;
+    c.bits = 8;
+    c.axis = a;
+    return c;
+  };
+  g.push_back({"e4m3 per-head scale", "fp8", fp8(kvq::Format::kE4M3, Axis::kHead),
+               fp8(kvq::Format::kE4M3, Axis::kHead)});
+  g.push_back({"e4m3 per-token scale", "fp8", fp8(kvq::Format::kE4M3, Axis::kToken),
+               fp8(kvq::Format::kE4M3, Axis::kToken)});
+  g.push_back({"e5m2 per-head scale", "fp8", fp8(kvq::Format::kE5M2, Axis::kHead),
+               fp8(kvq::Format::kE5M2, Axis::kHead)});
+  g.push_back({"k8v4 (e4m3 K per-head, int4 V token g32)", "fp8",
+               fp8(kvq::Format::kE4M3, Axis::kHead), integer(4, Axis::kToken, 32)});
+  auto lm = [](int bits, bool qjl) {
+    kvq::QuantConfig c;
+    c.format = kvq::Format::kLloydMax;
+    c.bits = bits;
+    c.qjl = qjl;
+    return c;
+  };
+  for (int bits : {2, 3, 4})
+    g.push_back({"lm" + std::to_string(bits) + " rotated K and V", "rotation + Lloyd-Max",
+                 lm(bits, false), lm(bits, false)});
+  for (int bits : {2, 3})
+    g.push_back({"lm" + std::to_string(bits) + "+qjl K, lm" + std::to_string(bits + 1) + " V",
+                 "rotation + Lloyd-Max + QJL (keys)", lm(bits, true), lm(bits + 1, false)});
   return g;
 }
 
