@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "kvq/core/error.hpp"
@@ -90,6 +91,75 @@ inline void scores_transposed(const float* q, const float* kt, int64_t ld, int n
   }
 }
 
+/// exp(x) for x <= 0, within 1.5 ulp of the correctly rounded float (checked by the tests),
+/// written branch-free in plain float/int arithmetic so that GCC vectorizes it at -O2. The
+/// softmax of a long context calls exp once per token and head, which with libm's scalar expf
+/// was a third of a whole evaluation. Range reduction x = n ln2 + r (ln2 split in two so n ln2
+/// is exact), a degree-7 polynomial for e^r on |r| <= ln2/2 (Cephes expf coefficients), then
+/// 2^n through the exponent bits. Results below FLT_MIN (x < -87.33) are flushed to 0, which
+/// changes no softmax weight that matters.
+inline float exp_nonpositive(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f;  // few mantissa bits, so n * kLn2Hi is exact
+  constexpr float kLn2Lo = -2.12194440e-4f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  constexpr float kMinArg = -87.33f;     // keeps n >= -126 (a normal 2^n)
+  const float xc = std::max(x, kMinArg);
+  const float t = xc * kLog2e + kRound;  // low mantissa bits of t hold n = round(x log2 e)
+  const float n = t - kRound;
+  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  // Unsigned arithmetic: wraps instead of overflowing (undefined) for a NaN argument.
+  uint32_t ti;
+  std::memcpy(&ti, &t, sizeof(ti));
+  const uint32_t bits = (ti - 0x4B400000u + 127u) << 23;  // biased exponent of 2^n
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return x < kMinArg ? 0.0f : p * two_n;
+}
+
+/// Max of x[0..n), n > 0, eight lanes at a time.
+inline float max_of(const float* x, int n) {
+  float m[8];
+  for (int u = 0; u < 8; ++u) m[u] = x[0];
+  int t = 0;
+  for (; t + 8 <= n; t += 8) {
+    for (int u = 0; u < 8; ++u) {
+      const float v = x[t + u];
+      m[u] = v > m[u] ? v : m[u];
+    }
+  }
+  for (; t < n; ++t) m[0] = std::max(m[0], x[t]);
+  float r = m[0];
+  for (int u = 1; u < 8; ++u) r = std::max(r, m[u]);
+  return r;
+}
+
+/// x[t] = exp(x[t] - mx) in place (all arguments <= 0 since mx is the max); returns the sum.
+inline float exp_shifted_sum(float* x, int n, float mx) {
+  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int t = 0;
+  for (; t + 8 <= n; t += 8) {
+    for (int u = 0; u < 8; ++u) {
+      const float e = exp_nonpositive(x[t + u] - mx);
+      x[t + u] = e;
+      acc[u] += e;
+    }
+  }
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; t < n; ++t) {
+    x[t] = exp_nonpositive(x[t] - mx);
+    s += x[t];
+  }
+  return s;
+}
+
 /// out[d] = scale * sum_t w[t] rows[t, d] for rows [n, width]. Channels are done eight at a
 /// time in local accumulators (two, for even and odd tokens, to halve the add-latency chain)
 /// so the sum stays in registers instead of round-tripping through `out` for every token.
@@ -120,7 +190,8 @@ inline void weighted_rows(const float* w, const float* rows, int n, int width, f
 
 /// The unquantized reference backend: keys and values kept exactly as float, attention computed
 /// in float like llama2.c's run.c (scores summed over channels in order, max-subtracted
-/// softmax), so its perplexity is the fp32 baseline every quantized cache is compared with.
+/// softmax; exp within 1.5 ulp of libm's), so its perplexity is the fp32 baseline every
+/// quantized cache is compared with.
 ///
 /// Storage is preallocated for max_tokens per layer. Keys are kept transposed,
 /// [kv_heads, head_dim, max_tokens], so that scoring walks contiguous tokens eight at a time;
@@ -130,11 +201,10 @@ class Fp32Backend final : public KVBackend {
  public:
   explicit Fp32Backend(const KVGeometry& g) : g_(g) {
     KVQ_REQUIRE(g.n_layers > 0 && g.n_kv_heads > 0 && g.head_dim > 0 && g.max_tokens > 0,
-                kInvalidArgument, "Fp32Backend: geometry must be positive (n_layers=",
-                g.n_layers, ", n_kv_heads=", g.n_kv_heads, ", head_dim=", g.head_dim,
+                kInvalidArgument, "Fp32Backend: geometry must be positive (n_layers=", g.n_layers,
+                ", n_kv_heads=", g.n_kv_heads, ", head_dim=", g.head_dim,
                 ", max_tokens=", g.max_tokens, ")");
-    const int64_t per_layer =
-        int64_t{g.n_kv_heads} * int64_t{g.max_tokens} * int64_t{g.head_dim};
+    const int64_t per_layer = int64_t{g.n_kv_heads} * int64_t{g.max_tokens} * int64_t{g.head_dim};
     KVQ_REQUIRE(per_layer <= (int64_t{1} << 34) / g.n_layers, kInvalidArgument,
                 "Fp32Backend: geometry too large (", g.n_layers, " layers x ", per_layer,
                 " floats)");
@@ -149,8 +219,7 @@ class Fp32Backend final : public KVBackend {
 
   void reset() override { std::fill(length_.begin(), length_.end(), 0); }
 
-  void append(int layer, int pos, const float* k_prerope, const float* k,
-              const float* v) override {
+  void append(int layer, int pos, const float* k_prerope, const float* k, const float* v) override {
     check_layer(layer);
     const int t = length_[static_cast<size_t>(layer)];
     KVQ_REQUIRE(pos == t, kInvalidArgument, "Fp32Backend::append: layer ", layer, " holds ", t,
@@ -177,8 +246,8 @@ class Fp32Backend final : public KVBackend {
                 " holds ", n, " tokens; a query at position ", pos,
                 " must come right after appending its own token");
     KVQ_REQUIRE(n_heads > 0 && n_heads % g_.n_kv_heads == 0, kInvalidArgument,
-                "Fp32Backend::attend: n_heads=", n_heads, " is not a multiple of n_kv_heads=",
-                g_.n_kv_heads);
+                "Fp32Backend::attend: n_heads=", n_heads,
+                " is not a multiple of n_kv_heads=", g_.n_kv_heads);
     const int hd = g_.head_dim;
     const int group = n_heads / g_.n_kv_heads;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -188,15 +257,9 @@ class Fp32Backend final : public KVBackend {
       const int kvh = h / group;
       const float* kt = k_.data() + head_offset(layer, kvh);  // [head_dim, max_tokens]
       const float* vh = v_.data() + head_offset(layer, kvh);  // [max_tokens, head_dim]
-      detail::scores_transposed(q + static_cast<size_t>(h) * hd, kt, g_.max_tokens, n, hd,
-                                scale, sc);
-      float mx = sc[0];
-      for (int t = 1; t < n; ++t) mx = std::max(mx, sc[t]);
-      float sum = 0.0f;
-      for (int t = 0; t < n; ++t) {
-        sc[t] = std::exp(sc[t] - mx);
-        sum += sc[t];
-      }
+      detail::scores_transposed(q + static_cast<size_t>(h) * hd, kt, g_.max_tokens, n, hd, scale,
+                                sc);
+      const float sum = detail::exp_shifted_sum(sc, n, detail::max_of(sc, n));
       detail::weighted_rows(sc, vh, n, hd, 1.0f / sum, out + static_cast<size_t>(h) * hd);
     }
   }
@@ -213,8 +276,7 @@ class Fp32Backend final : public KVBackend {
   }
   /// Pre-RoPE keys of `layer` (what a pre-RoPE per-channel key quantizer would see).
   KVView<const float> keys_prerope(int layer) const {
-    return view(k_prerope_, layer,
-                Strides{g_.head_dim, int64_t{g_.max_tokens} * g_.head_dim, 1});
+    return view(k_prerope_, layer, Strides{g_.head_dim, int64_t{g_.max_tokens} * g_.head_dim, 1});
   }
   /// Values of `layer` as a [tokens, kv_heads, head_dim] view.
   KVView<const float> values(int layer) const {
@@ -223,8 +285,8 @@ class Fp32Backend final : public KVBackend {
 
  private:
   void check_layer(int layer) const {
-    KVQ_REQUIRE(layer >= 0 && layer < g_.n_layers, kInvalidArgument, "Fp32Backend: layer ",
-                layer, " out of range [0, ", g_.n_layers, ")");
+    KVQ_REQUIRE(layer >= 0 && layer < g_.n_layers, kInvalidArgument, "Fp32Backend: layer ", layer,
+                " out of range [0, ", g_.n_layers, ")");
   }
   /// First float of (layer, kv_head) in any of the three buffers (each head owns a
   /// max_tokens * head_dim block).

@@ -180,15 +180,15 @@ class Llama2cModel {
     std::ifstream in;
     const int64_t file_size = detail::open_sized(in, path, "model");
     KVQ_REQUIRE(file_size >= detail::kHeaderBytes, kIo, "model file '", path,
-                "' is truncated: ", file_size, " bytes, shorter than the ",
-                detail::kHeaderBytes, "-byte header");
+                "' is truncated: ", file_size, " bytes, shorter than the ", detail::kHeaderBytes,
+                "-byte header");
     unsigned char hdr[detail::kHeaderBytes];
     detail::read_exact(in, hdr, detail::kHeaderBytes, path, 0);
     int32_t h[detail::kHeaderInts];
     for (int i = 0; i < detail::kHeaderInts; ++i) h[i] = detail::load_i32(hdr + 4 * i);
     parse_header(h);
 
-    const int64_t expected = expected_file_bytes();
+    const int64_t expected = plan_layout();
     KVQ_REQUIRE(file_size == expected, kIo, "model file '", path, "' has ", file_size,
                 " bytes but its header (", header_str(), ") implies ", expected, " bytes",
                 file_size < expected ? " (truncated)" : " (trailing data)");
@@ -196,7 +196,6 @@ class Llama2cModel {
     const int64_t n_floats = (file_size - detail::kHeaderBytes) / 4;
     data_.resize(static_cast<size_t>(n_floats));
     detail::read_exact(in, data_.data(), n_floats * 4, path, detail::kHeaderBytes);
-    layout_weights();
     check_finite();
     init_rope();
     init_scratch();
@@ -301,24 +300,22 @@ class Llama2cModel {
   std::string header_str() const {
     return kvq::detail::cat("dim=", cfg_.dim, ", hidden_dim=", cfg_.hidden_dim,
                             ", n_layers=", cfg_.n_layers, ", n_heads=", cfg_.n_heads,
-                            ", n_kv_heads=", cfg_.n_kv_heads, ", vocab_size=",
-                            cfg_.shared_classifier ? "" : "-", cfg_.vocab_size,
+                            ", n_kv_heads=", cfg_.n_kv_heads,
+                            ", vocab_size=", cfg_.shared_classifier ? "" : "-", cfg_.vocab_size,
                             ", seq_len=", cfg_.seq_len);
   }
 
   void parse_header(const int32_t* h) {
     const char* names[detail::kHeaderInts] = {"dim",        "hidden_dim", "n_layers", "n_heads",
                                               "n_kv_heads", "vocab_size", "seq_len"};
-    const int64_t limits[detail::kHeaderInts] = {detail::kMaxDim,    detail::kMaxHidden,
-                                                 detail::kMaxLayers, detail::kMaxDim,
-                                                 detail::kMaxDim,    detail::kMaxVocab,
-                                                 detail::kMaxSeqLen};
+    const int64_t limits[detail::kHeaderInts] = {
+        detail::kMaxDim, detail::kMaxHidden, detail::kMaxLayers, detail::kMaxDim,
+        detail::kMaxDim, detail::kMaxVocab,  detail::kMaxSeqLen};
     for (int i = 0; i < detail::kHeaderInts; ++i) {
       // vocab_size may be negative (separate classifier); its magnitude is what is limited.
       const int64_t v = (i == 5) ? std::llabs(int64_t{h[i]}) : int64_t{h[i]};
-      KVQ_REQUIRE(v > 0 && v <= limits[i], kIo, "model file '", path_, "': header field ",
-                  names[i], " = ", h[i], " at byte offset ", 4 * i, " is outside [1, ",
-                  limits[i], "]");
+      KVQ_REQUIRE(v > 0 && v <= limits[i], kIo, "model file '", path_, "': header field ", names[i],
+                  " = ", h[i], " at byte offset ", 4 * i, " is outside [1, ", limits[i], "]");
     }
     cfg_.dim = h[0];
     cfg_.hidden_dim = h[1];
@@ -337,10 +334,10 @@ class Llama2cModel {
                 cfg_.head_dim(), " (dim/n_heads) is odd; RoPE rotates pairs of channels");
   }
 
-  /// Total file size implied by the header. With the header limits above every product fits
-  /// in 63 bits (largest term: layers * hidden * dim = 2^46 floats), so plain int64 math is
-  /// exact here.
-  int64_t expected_file_bytes() {
+  /// Assigns every tensor its offset in the order of the legacy export and returns the file
+  /// size the header implies. With the header limits every product fits easily in 63 bits
+  /// (largest term: layers * hidden * dim <= 2^46 floats), so plain int64 math is exact.
+  int64_t plan_layout() {
     const int64_t dim = cfg_.dim;
     const int64_t hidden = cfg_.hidden_dim;
     const int64_t layers = cfg_.n_layers;
@@ -374,23 +371,16 @@ class Llama2cModel {
     return detail::kHeaderBytes + 4 * o;
   }
 
-  void layout_weights() {
-    // Offsets were assigned by expected_file_bytes(); data_ holds exactly off_.end floats.
-    KVQ_REQUIRE(data_.size() == off_.end, kIo, "model file '", path_,
-                "': internal size mismatch");
-  }
-
   /// A NaN or Inf weight would silently turn every perplexity into NaN; name its location.
   void check_finite() const {
     const size_t rope_begin = off_.freq_cis;
-    const size_t rope_end = off_.freq_cis + static_cast<size_t>(cfg_.seq_len) *
-                                                static_cast<size_t>(cfg_.head_dim());
+    const size_t rope_end =
+        off_.freq_cis + static_cast<size_t>(cfg_.seq_len) * static_cast<size_t>(cfg_.head_dim());
     for (size_t i = 0; i < data_.size(); ++i) {
       if (i == rope_begin) i = rope_end;  // the skipped RoPE tables are never read
       if (i >= data_.size()) break;
       KVQ_REQUIRE(std::isfinite(data_[i]), kIo, "model file '", path_, "': non-finite weight ",
-                  data_[i], " at byte offset ",
-                  detail::kHeaderBytes + 4 * static_cast<int64_t>(i));
+                  data_[i], " at byte offset ", detail::kHeaderBytes + 4 * static_cast<int64_t>(i));
     }
   }
 
@@ -459,8 +449,7 @@ class Tokenizer {
     std::ifstream in;
     const int64_t size = detail::open_sized(in, path, "tokenizer");
     KVQ_REQUIRE(size <= detail::kMaxTokenizerFileBytes, kIo, "tokenizer file '", path, "' is ",
-                size, " bytes, more than the ", detail::kMaxTokenizerFileBytes,
-                "-byte limit");
+                size, " bytes, more than the ", detail::kMaxTokenizerFileBytes, "-byte limit");
     std::vector<unsigned char> buf(static_cast<size_t>(size));
     if (size > 0) detail::read_exact(in, buf.data(), size, path, 0);
     parse(buf, vocab_size);
@@ -558,12 +547,12 @@ class Tokenizer {
       const int32_t len = detail::load_i32(buf.data() + off + 4);
       KVQ_REQUIRE(std::isfinite(sc), kIo, "tokenizer file '", path_, "': token ", id,
                   " has non-finite score ", sc, " at byte offset ", off);
-      KVQ_REQUIRE(len >= 0 && len <= max_token_length_, kIo, "tokenizer file '", path_,
-                  "': token ", id, " has length ", len, " at byte offset ", off + 4,
+      KVQ_REQUIRE(len >= 0 && len <= max_token_length_, kIo, "tokenizer file '", path_, "': token ",
+                  id, " has length ", len, " at byte offset ", off + 4,
                   ", outside [0, max_token_length=", max_token_length_, "]");
       off += 8;
-      KVQ_REQUIRE(size - off >= len, kIo, "tokenizer file '", path_, "' is truncated: token ",
-                  id, " needs ", len, " bytes at byte offset ", off, " but the file has ", size,
+      KVQ_REQUIRE(size - off >= len, kIo, "tokenizer file '", path_, "' is truncated: token ", id,
+                  " needs ", len, " bytes at byte offset ", off, " but the file has ", size,
                   " bytes");
       pieces_.emplace_back(reinterpret_cast<const char*>(buf.data() + off),
                            static_cast<size_t>(len));
@@ -630,8 +619,10 @@ class Tokenizer {
     const int n = static_cast<int>(ids->size());
     if (n < 2) return;
     std::vector<Sym> sym(static_cast<size_t>(n));
-    for (int i = 0; i < n; ++i) sym[static_cast<size_t>(i)] = {(*ids)[static_cast<size_t>(i)],
-                                                               i - 1, i + 1 < n ? i + 1 : -1, 0};
+    for (int i = 0; i < n; ++i) {
+      const int next = i + 1 < n ? i + 1 : -1;
+      sym[static_cast<size_t>(i)] = Sym{(*ids)[static_cast<size_t>(i)], i - 1, next, 0};
+    }
     std::priority_queue<Cand, std::vector<Cand>, Lower> heap;
     std::string cat;
     auto consider = [&](int l, int r) {
@@ -701,8 +692,8 @@ inline std::vector<int> generate_greedy(Llama2cModel& model, KVBackend& kv,
       continue;
     }
     if (static_cast<int>(out.size()) >= max_new_tokens) break;
-    const int next = static_cast<int>(std::max_element(logits.begin(), logits.end()) -
-                                      logits.begin());
+    const int next =
+        static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     if (next == Tokenizer::kBos || next == Tokenizer::kEos) break;
     out.push_back(next);
     token = next;
@@ -739,11 +730,11 @@ struct EvalOptions {
 
 /// Counts of one run over the text.
 struct RunStats {
-  double total_nll = 0.0;     ///< sum of -log p(actual next token), nats
-  int64_t tokens = 0;         ///< predictions counted: n - 1 for a sequence of n incl. BOS
-  int64_t sequences = 0;      ///< lines evaluated
+  double total_nll = 0.0;  ///< sum of -log p(actual next token), nats
+  int64_t tokens = 0;      ///< predictions counted: n - 1 for a sequence of n incl. BOS
+  int64_t sequences = 0;   ///< lines evaluated
   int64_t forward_passes = 0;
-  double seconds = 0.0;       ///< wall time spent in this run's forward passes (0 for a trace)
+  double seconds = 0.0;  ///< wall time spent in this run's forward passes (0 for a trace)
 
   double mean_nll() const {
     return tokens > 0 ? total_nll / static_cast<double>(tokens)
@@ -761,17 +752,17 @@ struct EvalResult {
   double seconds = 0.0;        ///< wall time of the whole call (tokenization included)
 };
 
-/// Splits a text file into lines (a trailing '\r' is removed, so CRLF files evaluate like LF
-/// ones). Empty lines are kept; evaluate_text skips them.
+/// Splits a text file into lines at '\n'. Nothing else is stripped: a '\r' of a CRLF file
+/// stays part of its line and is tokenized (one byte-fallback token). That is how the reference
+/// figures in shared/docs/reference.md were measured on tinystories-dev.txt (CRLF): 4258
+/// predictions, perplexity 5.3930; stripping the '\r' gives 4253 predictions instead. Empty
+/// lines are kept; evaluate_text skips them.
 inline std::vector<std::string> read_text_lines(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   KVQ_REQUIRE(in.good(), kIo, "cannot open text file '", path, "'");
   std::vector<std::string> lines;
   std::string line;
-  while (std::getline(in, line)) {
-    if (!line.empty() && line.back() == '\r') line.pop_back();
-    lines.push_back(line);
-  }
+  while (std::getline(in, line)) lines.push_back(line);
   KVQ_REQUIRE(!in.bad(), kIo, "error reading text file '", path, "'");
   return lines;
 }
@@ -780,8 +771,8 @@ inline std::vector<std::string> read_text_lines(const std::string& path) {
 /// sequence each: BOS + tokens, truncated to max_seq_len, every next-token prediction
 /// counted). With options.reference or options.reference_trace, also the mean KL divergence
 /// KL(p_ref || p_test) per prediction, computed in double from log-softmax.
-inline EvalResult evaluate_text(Llama2cModel& model, const Tokenizer& tokenizer,
-                                KVBackend& backend, const std::vector<std::string>& lines,
+inline EvalResult evaluate_text(Llama2cModel& model, const Tokenizer& tokenizer, KVBackend& backend,
+                                const std::vector<std::string>& lines,
                                 const EvalOptions& options = {}) {
   using Clock = std::chrono::steady_clock;
   const auto seconds_since = [](Clock::time_point t0) {
@@ -799,6 +790,10 @@ inline EvalResult evaluate_text(Llama2cModel& model, const Tokenizer& tokenizer,
               "tested one (they hold separate caches)");
   KVQ_REQUIRE(options.max_seq_len >= 0 && options.max_sequences >= 0, kInvalidArgument,
               "evaluate_text: max_seq_len and max_sequences must be >= 0");
+  KVQ_REQUIRE(options.record_trace == nullptr || options.record_trace != options.reference_trace,
+              kInvalidArgument,
+              "evaluate_text: record_trace and reference_trace are the same "
+              "object; recording would overwrite the reference");
   const LogitTrace* ref_trace = options.reference_trace;
   if (ref_trace) {
     KVQ_REQUIRE(ref_trace->vocab_size == vocab, kInvalidArgument,
@@ -809,8 +804,8 @@ inline EvalResult evaluate_text(Llama2cModel& model, const Tokenizer& tokenizer,
     options.record_trace->vocab_size = vocab;
     options.record_trace->logits.clear();
   }
-  const int max_len = options.max_seq_len > 0 ? std::min(options.max_seq_len, cfg.seq_len)
-                                              : cfg.seq_len;
+  const int max_len =
+      options.max_seq_len > 0 ? std::min(options.max_seq_len, cfg.seq_len) : cfg.seq_len;
 
   EvalResult r;
   r.has_reference = options.reference != nullptr || ref_trace != nullptr;
@@ -825,8 +820,8 @@ inline EvalResult evaluate_text(Llama2cModel& model, const Tokenizer& tokenizer,
   const auto check_finite = [&](const std::vector<float>& l, const char* run, int64_t seq,
                                 int pos) {
     for (size_t i = 0; i < l.size(); ++i) {
-      KVQ_REQUIRE(std::isfinite(l[i]), kNonFinite, "evaluate_text: ", run, " run, sequence ",
-                  seq, ", position ", pos, ": logit ", i, " is ", l[i]);
+      KVQ_REQUIRE(std::isfinite(l[i]), kNonFinite, "evaluate_text: ", run, " run, sequence ", seq,
+                  ", position ", pos, ": logit ", i, " is ", l[i]);
     }
   };
 

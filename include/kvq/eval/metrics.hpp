@@ -66,8 +66,8 @@ double checked_max(const T* x, size_t n, const char* what) {
   double mx = -std::numeric_limits<double>::infinity();
   for (size_t i = 0; i < n; ++i) {
     const double v = static_cast<double>(x[i]);
-    KVQ_REQUIRE(!std::isnan(v) && v != std::numeric_limits<double>::infinity(), kNonFinite,
-                what, ": element ", i, " of ", n, " is ", v);
+    KVQ_REQUIRE(!std::isnan(v) && v != std::numeric_limits<double>::infinity(), kNonFinite, what,
+                ": element ", i, " of ", n, " is ", v);
     mx = std::max(mx, v);
   }
   KVQ_REQUIRE(std::isfinite(mx), kNonFinite, what, ": all ", n, " elements are -inf");
@@ -95,11 +95,11 @@ inline void check_attention_args(const float* q, int n_heads, const KVView<const
   KVQ_REQUIRE(k.tokens() > 0, kShapeMismatch,
               "attention metric: attention over zero tokens is undefined");
   KVQ_REQUIRE(n_heads > 0 && n_heads % k.heads() == 0, kInvalidArgument,
-              "attention metric: n_heads=", n_heads, " is not a positive multiple of kv heads=",
-              k.heads());
+              "attention metric: n_heads=", n_heads,
+              " is not a positive multiple of kv heads=", k.heads());
   if (v != nullptr) {
-    KVQ_REQUIRE(v->shape() == k.shape(), kShapeMismatch, "attention metric: keys ",
-                k.shape().str(), " and values ", v->shape().str(), " differ in shape");
+    KVQ_REQUIRE(v->shape() == k.shape(), kShapeMismatch, "attention metric: keys ", k.shape().str(),
+                " and values ", v->shape().str(), " differ in shape");
   }
 }
 
@@ -350,8 +350,7 @@ inline double attention_weight_kl(const float* q, int n_heads, const KVView<cons
 
 /// Relative L2 error of the attention output [n_heads, head_dim] computed from the test K/V
 /// against the output from the reference K/V: the error the next layer actually receives.
-inline double attention_output_error(const float* q, int n_heads,
-                                     const KVView<const float>& k_ref,
+inline double attention_output_error(const float* q, int n_heads, const KVView<const float>& k_ref,
                                      const KVView<const float>& v_ref,
                                      const KVView<const float>& k_test,
                                      const KVView<const float>& v_test) {
