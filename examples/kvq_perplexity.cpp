@@ -1,0 +1,166 @@
+// kvq_perplexity: perplexity and next-token KL of a real llama2.c-format model whose KV cache is
+// held in kvq's quantized cache under each policy.
+//
+//   kvq_perplexity --model M --tokenizer T --text F --policy SPEC[;SPEC...] [--json]
+//                  [--max-seqs N] [--seq-len N]
+//
+// Each non-empty line of F is one sequence (BOS prepended, truncated to the model's seq_len);
+// every next-token prediction is counted. The unquantized (f32) run is computed once and its
+// logits are the reference for the KL of every policy. Defaults: the stories260K model, its
+// tokenizer and tinystories-dev.txt from ../shared/data/stories260K, policy f32.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "kvq/cache/cache_backend.hpp"
+#include "kvq/eval/llama2c.hpp"
+#include "kvq/policy/spec.hpp"
+#include "report.hpp"
+
+namespace {
+
+#ifndef KVQ_SHARED_DIR
+#define KVQ_SHARED_DIR "../shared"
+#endif
+
+/// Wraps the cache backend to measure the cache at the end of every sequence (before reset):
+/// the peak bytes and the bytes-weighted effective bits over all sequences.
+class MeasuringBackend final : public kvq::eval::KVBackend {
+ public:
+  MeasuringBackend(kvq::Policy p, const kvq::eval::KVGeometry& g) : inner_(std::move(p), g) {}
+  void reset() override {
+    measure();
+    inner_.reset();
+  }
+  void append(int layer, int pos, const float* kp, const float* k, const float* v) override {
+    inner_.append(layer, pos, kp, k, v);
+  }
+  void attend(int layer, int pos, const float* q, int n_heads, float* out) override {
+    inner_.attend(layer, pos, q, n_heads, out);
+  }
+  void measure() {
+    const auto r = inner_.cache().memory_report();
+    if (r.elements() == 0) return;
+    peak_bytes_ = std::max(peak_bytes_, r.total());
+    sum_bytes_ += static_cast<double>(r.total());
+    sum_elements_ += static_cast<double>(r.elements());
+  }
+  std::size_t peak_bytes() const { return peak_bytes_; }
+  double effective_bits() const { return sum_elements_ > 0 ? 8.0 * sum_bytes_ / sum_elements_ : 0; }
+
+ private:
+  kvq::CacheBackend inner_;
+  std::size_t peak_bytes_ = 0;
+  double sum_bytes_ = 0, sum_elements_ = 0;
+};
+
+void usage() {
+  std::fprintf(stderr,
+               "usage: kvq_perplexity [--model M] [--tokenizer T] [--text F] "
+               "[--policy SPEC[;SPEC...]] [--json] [--max-seqs N] [--seq-len N]\n"
+               "defaults: %s/data/stories260K/{stories260K.bin,tok512.bin,tinystories-dev.txt}, "
+               "policy f32\n",
+               KVQ_SHARED_DIR);
+}
+
+int parse_count(const std::string& flag, const char* v) {
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  if (!end || *end || x < 0 || x > 1 << 24) {
+    std::fprintf(stderr, "kvq_perplexity: %s needs a non-negative integer, got '%s'\n",
+                 flag.c_str(), v);
+    std::exit(2);
+  }
+  return static_cast<int>(x);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string base = std::string(KVQ_SHARED_DIR) + "/data/stories260K/";
+  std::string model_path = base + "stories260K.bin", tok_path = base + "tok512.bin",
+              text_path = base + "tinystories-dev.txt", policy_arg = "f32";
+  bool json = false;
+  kvq::eval::EvalOptions opt;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "kvq_perplexity: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--model") model_path = next();
+    else if (a == "--tokenizer") tok_path = next();
+    else if (a == "--text") text_path = next();
+    else if (a == "--policy") policy_arg = next();
+    else if (a == "--json") json = true;
+    else if (a == "--max-seqs") opt.max_sequences = parse_count(a, next());
+    else if (a == "--seq-len") opt.max_seq_len = parse_count(a, next());
+    else if (a == "-h" || a == "--help") {
+      usage();
+      return 0;
+    } else {
+      std::fprintf(stderr, "kvq_perplexity: unknown argument '%s'\n", a.c_str());
+      usage();
+      return 2;
+    }
+  }
+  try {
+    const auto policies = kvq::parse_policies(policy_arg);
+    kvq::eval::Llama2cModel model(model_path);
+    kvq::eval::Tokenizer tok(tok_path, model.config().vocab_size);
+    const auto lines = kvq::eval::read_text_lines(text_path);
+    const auto geo = model.kv_geometry();
+
+    // Reference: the unquantized cache, recorded once.
+    kvq::eval::LogitTrace trace;
+    kvq::eval::Fp32Backend ref(geo);
+    kvq::eval::EvalOptions ropt = opt;
+    ropt.record_trace = &trace;
+    const auto r0 = kvq::eval::evaluate_text(model, tok, ref, lines, ropt);
+
+    std::vector<kvq_tools::Row> rows;
+    for (const kvq::Policy& p : policies) {
+      std::fprintf(stderr, "kvq_perplexity: %s ...\n", p.spec().c_str());
+      MeasuringBackend be(p, geo);
+      kvq::eval::EvalOptions popt = opt;
+      popt.reference_trace = &trace;
+      const auto r = kvq::eval::evaluate_text(model, tok, be, lines, popt);
+      be.measure();
+      kvq_tools::Row row;
+      row.text = {{"policy", p.spec()}};
+      row.num = {{"perplexity", r.test.perplexity()},
+                 {"kl", r.mean_kl},
+                 {"max_kl", r.max_kl},
+                 {"tokens", static_cast<double>(r.test.tokens)},
+                 {"cache_bytes", static_cast<double>(be.peak_bytes())},
+                 {"effective_bits", be.effective_bits()},
+                 {"seconds", r.seconds}};
+      rows.push_back(row);
+    }
+    const std::vector<std::pair<std::string, std::string>> meta = {
+        {"tool", "kvq_perplexity"},
+        {"model", model_path},
+        {"text", text_path},
+        {"reference_perplexity", kvq_tools::json_number(r0.test.perplexity())}};
+    if (json) {
+      std::fputs(kvq_tools::to_json(rows, meta).c_str(), stdout);
+    } else {
+      std::printf("model %s, text %s: %lld tokens, f32 reference perplexity %.4f\n",
+                  model_path.c_str(), text_path.c_str(),
+                  static_cast<long long>(r0.test.tokens), r0.test.perplexity());
+      std::printf("cache_bytes = peak over sequences (largest sequence); effective_bits = "
+                  "bits per cached K/V value over all sequences, metadata and f32 windows "
+                  "included\n\n");
+      kvq_tools::print_table(rows);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvq_perplexity: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
