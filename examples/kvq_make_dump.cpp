@@ -1,0 +1,122 @@
+// kvq_make_dump: writes a KV dump (docs/dump-format.md) from kvq's synthetic generator or from
+// a real llama2.c model run over the first line of a text file, so kvq_quantize_dump and the
+// comparison can be tried without Python.
+//
+//   kvq_make_dump --synthetic [--layers N --tokens T --kv-heads H --q-heads Q --head-dim D] OUT
+//   kvq_make_dump --model M --tokenizer T --text F [--line I] OUT
+// OUT ending in .safetensors writes one file; anything else writes a directory of .npy files.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "kvq/eval/llama2c.hpp"
+#include "kvq/eval/synthetic.hpp"
+#include "kvq/io/kv_dump.hpp"
+
+namespace {
+int parse_pos(const std::string& flag, const char* v) {
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  if (!end || *end || x < 0 || x > 1 << 20) {
+    std::fprintf(stderr, "kvq_make_dump: %s needs a non-negative integer, got '%s'\n", flag.c_str(), v);
+    std::exit(2);
+  }
+  return static_cast<int>(x);
+}
+kvq::io::Array arr(const float* p, int64_t t, int64_t h, int64_t d) {
+  return kvq::io::Array::from_float(p, {t, h, d}, kvq::DType::kF32);
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  kvq::eval::SyntheticSpec spec;
+  bool synthetic = false;
+  std::string model, tok, text, out;
+  int line_index = 0;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "kvq_make_dump: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--synthetic") synthetic = true;
+    else if (a == "--layers") spec.layers = parse_pos(a, next());
+    else if (a == "--tokens") spec.tokens = parse_pos(a, next());
+    else if (a == "--kv-heads") spec.kv_heads = parse_pos(a, next());
+    else if (a == "--q-heads") spec.q_heads = parse_pos(a, next());
+    else if (a == "--head-dim") spec.head_dim = parse_pos(a, next());
+    else if (a == "--model") model = next();
+    else if (a == "--tokenizer") tok = next();
+    else if (a == "--text") text = next();
+    else if (a == "--line") line_index = parse_pos(a, next());
+    else if (!a.empty() && a[0] == '-') {
+      std::fprintf(stderr, "kvq_make_dump: unknown option '%s'\n", a.c_str());
+      return 2;
+    } else {
+      out = a;
+    }
+  }
+  if (out.empty() || (synthetic == !model.empty())) {
+    std::fprintf(stderr,
+                 "usage: kvq_make_dump --synthetic [--layers N --tokens T --kv-heads H "
+                 "--q-heads Q --head-dim D] OUT\n"
+                 "       kvq_make_dump --model M --tokenizer T --text F [--line I] OUT\n");
+    return 2;
+  }
+  try {
+    kvq::io::KVDump dump;
+    if (synthetic) {
+      const auto layers = kvq::eval::make_synthetic_kv(spec);
+      for (const auto& L : layers) {
+        kvq::io::KVDump::Layer ly;
+        ly.k = arr(L.k.data(), spec.tokens, spec.kv_heads, spec.head_dim);
+        ly.v = arr(L.v.data(), spec.tokens, spec.kv_heads, spec.head_dim);
+        ly.k_prerope = arr(L.k_prerope.data(), spec.tokens, spec.kv_heads, spec.head_dim);
+        dump.layers.push_back(std::move(ly));
+      }
+    } else {
+      kvq::eval::Llama2cModel m(model);
+      kvq::eval::Tokenizer t(tok, m.config().vocab_size);
+      std::vector<std::string> lines;
+      for (auto& l : kvq::eval::read_text_lines(text))
+        if (!l.empty()) lines.push_back(l);
+      KVQ_REQUIRE(line_index < static_cast<int>(lines.size()), kInvalidArgument, "--line ",
+                  line_index, " but ", text, " has ", lines.size(), " non-empty lines");
+      auto ids = t.encode(lines[static_cast<size_t>(line_index)], true);
+      if (static_cast<int>(ids.size()) > m.config().seq_len) ids.resize(static_cast<size_t>(m.config().seq_len));
+      kvq::eval::Fp32Backend be(m.kv_geometry());
+      be.reset();
+      std::vector<float> logits(static_cast<size_t>(m.config().vocab_size));
+      for (size_t p = 0; p < ids.size(); ++p) m.forward(ids[p], static_cast<int>(p), be, logits.data());
+      for (int l = 0; l < m.config().n_layers; ++l) {
+        auto copy = [&](kvq::KVView<const float> v) {
+          std::vector<float> buf(static_cast<size_t>(v.numel()));
+          size_t i = 0;
+          for (int64_t a = 0; a < v.tokens(); ++a)
+            for (int64_t h = 0; h < v.heads(); ++h)
+              for (int64_t d = 0; d < v.head_dim(); ++d) buf[i++] = v.at(a, h, d);
+          return arr(buf.data(), v.tokens(), v.heads(), v.head_dim());
+        };
+        kvq::io::KVDump::Layer ly;
+        ly.k = copy(be.keys(l));
+        ly.v = copy(be.values(l));
+        ly.k_prerope = copy(be.keys_prerope(l));
+        dump.layers.push_back(std::move(ly));
+      }
+    }
+    const bool st = out.size() > 12 && out.substr(out.size() - 12) == ".safetensors";
+    kvq::io::save_kv_dump(out, dump,
+                          st ? kvq::io::DumpFormat::kSafetensors : kvq::io::DumpFormat::kNpyDir);
+    std::printf("wrote %s: %lld layers x %lld tokens%s\n", out.c_str(),
+                static_cast<long long>(dump.num_layers()), static_cast<long long>(dump.tokens()),
+                synthetic ? " (SYNTHETIC)" : "");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvq_make_dump: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
