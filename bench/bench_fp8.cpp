@@ -72,12 +72,12 @@ template <class T>
 void register_fp8(const char* type_name) {
   for (Fp8Kind kind : {Fp8Kind::kE4M3, Fp8Kind::kE5M2}) {
     const std::string suffix = std::string("/") + kvq::fp8::to_string(kind) + "/" + type_name;
-    benchmark::RegisterBenchmark(("BM_Fp8Encode" + suffix).c_str(),
-                                 [kind](benchmark::State& s) { BM_Fp8Encode<T>(s, kind); })
-        ->Unit(benchmark::kMillisecond);
-    benchmark::RegisterBenchmark(("BM_Fp8Decode" + suffix).c_str(),
-                                 [kind](benchmark::State& s) { BM_Fp8Decode<T>(s, kind); })
-        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_Fp8Encode" + suffix).c_str(), [kind](benchmark::State& s) {
+      BM_Fp8Encode<T>(s, kind);
+    })->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_Fp8Decode" + suffix).c_str(), [kind](benchmark::State& s) {
+      BM_Fp8Decode<T>(s, kind);
+    })->Unit(benchmark::kMillisecond);
   }
 }
 

@@ -31,8 +31,8 @@
 #endif
 #endif
 
-#define KVQ_SKIP_WITHOUT_CUDA_FP8()                                                    \
-  do {                                                                                 \
+#define KVQ_SKIP_WITHOUT_CUDA_FP8()                                                          \
+  do {                                                                                       \
     if (!KVQ_TEST_CUDA_FP8) GTEST_SKIP() << "cuda_fp8.h not found; CUDA comparison skipped"; \
   } while (0)
 
@@ -173,9 +173,10 @@ TEST(Fp8Decode, BulkAll256WithScales) {
   for (int c = 0; c < 256; ++c) codes[c] = static_cast<uint8_t>(c);
   // includes a scale whose * 2^8 overflows (the e4m3 SIMD fold falls back), subnormal scales,
   // zero, negative and infinite scales
-  const float scales[] = {1.f,        0.5f,         3.f,          -1.25f,  1e-3f, 7.3e-41f,
-                          1e-45f,     0.f,          -0.f,         1e30f,   3e38f, 2.5e36f,
-                          std::numeric_limits<float>::infinity()};
+  // clang-format off
+  const float scales[] = {1.f, 0.5f, 3.f, -1.25f, 1e-3f, 7.3e-41f, 1e-45f, 0.f, -0.f, 1e30f, 3e38f,
+                          2.5e36f, std::numeric_limits<float>::infinity()};
+  // clang-format on
   for (Fp8Kind k : kKinds) {
     for (float s : scales) {
       std::vector<float> out(256);
@@ -268,9 +269,9 @@ TEST(Fp8Edge, E4M3_Subnormals) {
   EXPECT_EQ(kvq::fp8::encode_e4m3(5 * std::ldexp(1.f, -10)), 0x02);  // tie -> even (2)
   EXPECT_EQ(kvq::fp8::encode_e4m3(std::nextafter(std::ldexp(1.f, -10), 1.f)), 0x01);
   EXPECT_EQ(kvq::fp8::encode_e4m3(-std::ldexp(1.f, -9)), 0x81);
-  EXPECT_EQ(kvq::fp8::encode_e4m3(7 * std::ldexp(1.f, -9)), 0x07);   // largest subnormal
+  EXPECT_EQ(kvq::fp8::encode_e4m3(7 * std::ldexp(1.f, -9)), 0x07);    // largest subnormal
   EXPECT_EQ(kvq::fp8::encode_e4m3(15 * std::ldexp(1.f, -10)), 0x08);  // tie -> min normal
-  EXPECT_EQ(kvq::fp8::encode_e4m3(std::ldexp(1.f, -6)), 0x08);       // smallest normal
+  EXPECT_EQ(kvq::fp8::encode_e4m3(std::ldexp(1.f, -6)), 0x08);        // smallest normal
 }
 
 TEST(Fp8Edge, E5M2_Subnormals) {
@@ -313,6 +314,7 @@ TEST(Fp8Edge, RoundToNearestEvenInNormalRange) {
 TEST(Fp8Edge, BulkPathsAgreeOnEdgeValues) {
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  // clang-format off
   std::vector<float> v = {464.f,  -464.f, 480.f, 481.f, 1e6f, -1e6f, inf, -inf, nan, -nan,
                           -0.f,   0.f,    61440.f, -61440.f, 57344.f, 65536.f, 65535.f,
                           std::ldexp(1.f, -9), std::ldexp(1.f, -10), 3 * std::ldexp(1.f, -10),
@@ -322,6 +324,7 @@ TEST(Fp8Edge, BulkPathsAgreeOnEdgeValues) {
                           -std::numeric_limits<float>::denorm_min(),
                           std::numeric_limits<float>::max(), from_bits(0xff800001u),
                           from_bits(0x7fffffffu), 1.0625f, 1.9375f};
+  // clang-format on
   std::vector<f16> h(v.size());
   for (size_t i = 0; i < v.size(); ++i) h[i] = f16(v[i]);
   for (Fp8Kind k : kKinds) {
@@ -554,7 +557,8 @@ TEST(Fp8Bulk, DecodeEveryLengthWithScalesMatchesScalar) {
           kvq::fp8::decode(k, src, got16.data(), n, s);
           for (size_t i = 0; i < n; ++i) {
             const float want = kvq::fp8::decode(k, src[i]) * s;
-            ASSERT_EQ(bits(got[i]), bits(want)) << kvq::fp8::to_string(k) << " n=" << n << " i=" << i;
+            ASSERT_EQ(bits(got[i]), bits(want))
+                << kvq::fp8::to_string(k) << " n=" << n << " i=" << i;
             ASSERT_EQ(got16[i].bits, kvq::float_to_half_bits(want))
                 << kvq::fp8::to_string(k) << " n=" << n << " i=" << i;
           }
@@ -577,8 +581,8 @@ TEST(Fp8Bulk, RoundTripWithComputedScaleStaysWithinHalfStep) {
     kvq::fp8::encode(k, x.data(), codes.data(), x.size(), 1.f / scale);
     kvq::fp8::decode(k, codes.data(), back.data(), x.size(), scale);
     const double rel = k == Fp8Kind::kE4M3 ? 1.0 / 16 : 1.0 / 8;  // half a mantissa step
-    const double abs_floor = scale * (k == Fp8Kind::kE4M3 ? std::ldexp(1.0, -10)
-                                                          : std::ldexp(1.0, -17));
+    const double abs_floor =
+        scale * (k == Fp8Kind::kE4M3 ? std::ldexp(1.0, -10) : std::ldexp(1.0, -17));
     for (size_t i = 0; i < x.size(); ++i) {
       ASSERT_LE(std::fabs(double(back[i]) - x[i]), (rel * std::fabs(x[i]) + abs_floor) * 1.001)
           << kvq::fp8::to_string(k) << " i=" << i << " x=" << x[i];
@@ -624,8 +628,9 @@ TEST(Fp8Scale, ZeroAmaxGivesOneAndExactZeros) {
 
 TEST(Fp8Scale, NonFiniteAmaxThrowsNamingTheValue) {
   for (Fp8Kind k : kKinds) {
-    for (float bad : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
-                      std::numeric_limits<float>::quiet_NaN()}) {
+    for (float bad :
+         {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(),
+          std::numeric_limits<float>::quiet_NaN()}) {
       try {
         kvq::fp8::compute_scale(k, bad);
         FAIL() << "no throw for amax " << bad;

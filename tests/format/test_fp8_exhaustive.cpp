@@ -78,8 +78,8 @@ void run_exhaustive() {
     pool.emplace_back([&] {
       for (uint64_t s; (s = next.fetch_add(1)) < kShards;) {
         std::string first;
-        const uint64_t b = check_range<kKind, kSat>(s * (kTotal / kShards),
-                                                    (s + 1) * (kTotal / kShards), &first);
+        const uint64_t b =
+            check_range<kKind, kSat>(s * (kTotal / kShards), (s + 1) * (kTotal / kShards), &first);
         if (b) {
           bad += b;
           std::lock_guard<std::mutex> lock(mu);
@@ -89,8 +89,7 @@ void run_exhaustive() {
     });
   }
   for (auto& th : pool) th.join();
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("[ exhaustive ] %s %s: 2^32 inputs in %.1f s on %u threads (simd: %s)\n",
               kvq::fp8::to_string(kKind), kSat ? "satfinite" : "nosat", secs, threads,
               kvq::simd_level());

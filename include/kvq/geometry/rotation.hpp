@@ -14,13 +14,17 @@
 ///   composes two block-diagonal stages:
 ///     y = Hb D2 P Hb D1 x
 ///   Hb = block-diagonal of m orthonormal Hadamard blocks of size B = 2^k, D1 and D2 seeded
-///   +-1 diagonals, P a seeded uniformly random permutation of the d coordinates. One block
-///   stage alone would keep a channel's energy inside its block of B coordinates (with B = 16
-///   for d = 80 the coordinate variance then differs between blocks by the outlier energy);
-///   the permutation deals every block's B outputs over all m blocks and the second stage
-///   spreads each of them again, so every output depends on every input when m <= B (kvq
-///   requires that, and B >= 8). Cost: two FWHT passes plus one gather, still O(d log d).
-///   docs/rotation.md has the measured quality of this scheme against a dense rotation.
+///   +-1 diagonals, P a seeded permutation. One block stage alone keeps a channel's energy
+///   inside its block of B coordinates (with B = 16 for d = 80, coordinate variances then differ
+///   between blocks by the outlier energy, and distortion rises ~20% at 1 bit). P deals the B
+///   outputs of every first-stage block over all m blocks and the second stage spreads each
+///   again, so every output depends on every input when m <= B (kvq requires that, and B >= 8).
+///   P is a *balanced* random deal: every second-stage block receives floor(B/m) or ceil(B/m)
+///   coordinates from each first-stage block (positions random). A uniformly random P leaves
+///   hypergeometric counts (0..7 of 16 at d = 80), and unlucky seeds were measurably worse
+///   than a dense rotation; the balanced deal removed that seed-to-seed spread.
+///   Cost: two FWHT passes of size B plus one gather, O(d log d).
+///   docs/rotation.md has the measured quality of both schemes against a dense rotation.
 /// - **Dense** (kDense, the oracle and the alternative): a Haar-distributed random orthogonal
 ///   d x d matrix (Householder QR of a seeded Gaussian matrix, columns sign-fixed by the signs
 ///   of R's diagonal so the distribution is exactly Haar), applied as a matrix product: O(d^2)
@@ -33,7 +37,7 @@
 /// order; every SIMD path keeps the scalar order, so SIMD and scalar results are bit-identical).
 /// The dense matrix uses std::log/std::cos/std::sin (Box-Muller) and Eigen's QR, whose last bits
 /// may differ between math libraries and Eigen's SIMD levels: deterministic per build, equal
-/// across platforms only to ~1e-7.
+/// across platforms only up to float rounding.
 ///
 /// Non-finite input propagates, it is not checked (this is the hot path; quantizers validate
 /// their input before rotating): a NaN anywhere in a vector makes every output of that vector
@@ -75,6 +79,16 @@ class Xoshiro256ss {
   explicit Xoshiro256ss(uint64_t seed) {
     uint64_t sm = seed;
     for (uint64_t& w : s_) w = splitmix64(sm);
+  }
+
+  /// A generator with an explicit state (not all zero), for known-answer tests.
+  static Xoshiro256ss from_state(uint64_t s0, uint64_t s1, uint64_t s2, uint64_t s3) {
+    Xoshiro256ss g(0);
+    g.s_[0] = s0;
+    g.s_[1] = s1;
+    g.s_[2] = s2;
+    g.s_[3] = s3;
+    return g;
   }
 
   /// Next 64 random bits.
@@ -128,14 +142,18 @@ inline float inv_sqrt_f(int64_t n) {
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
 }
 
-/// Scalar FWHT kernel, the portable fallback and the order every SIMD path reproduces:
-///   x[i] *= pre[i] (if pre; kvq passes only +-1 there, so it is exact),
+/// Scalar FWHT kernel, the portable fallback and the order every SIMD path reproduces, from
+/// `in` to `x` (in == x for in place; otherwise they must not overlap):
+///   x[i] = in[i] * pre[i] (if pre; kvq passes only +-1 there, so it is exact),
 ///   butterfly stages h = 1, 2, 4, ..., n/2 with (a, b) -> (a + b, a - b),
 ///   x[i] *= post ? post[i] : scale (the only rounding multiply, last, so no compiler may fuse
 ///   it with an addition).
-inline void fwht_scalar(float* x, int n, const float* pre, const float* post, float scale) {
+inline void fwht_scalar(const float* in, float* x, int n, const float* pre, const float* post,
+                        float scale) {
   if (pre) {
-    for (int i = 0; i < n; ++i) x[i] *= pre[i];
+    for (int i = 0; i < n; ++i) x[i] = in[i] * pre[i];
+  } else if (in != x) {
+    std::memcpy(x, in, sizeof(float) * n);
   }
   for (int h = 1; h < n; h *= 2) {
     for (int i = 0; i < n; i += 2 * h) {
@@ -182,8 +200,8 @@ inline __m512 fwht16_avx512(__m512 v) {
   const __m512 s4 = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
   const __m512 s8 = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
   const __mmask16 all = 0xFFFF;
-  v = _mm512_fmadd_ps(v, s1, _mm512_mask_permute_ps(v, all, v, 0xB1));  // lanes 2i <-> 2i+1
-  v = _mm512_fmadd_ps(v, s2, _mm512_mask_permute_ps(v, all, v, 0x4E));  // pairs in 128 bits
+  v = _mm512_fmadd_ps(v, s1, _mm512_mask_permute_ps(v, all, v, 0xB1));        // lanes 2i <-> 2i+1
+  v = _mm512_fmadd_ps(v, s2, _mm512_mask_permute_ps(v, all, v, 0x4E));        // pairs in 128 bits
   v = _mm512_fmadd_ps(v, s4, _mm512_mask_shuffle_f32x4(v, all, v, v, 0xB1));  // 128-bit quarters
   return _mm512_fmadd_ps(v, s8, _mm512_mask_shuffle_f32x4(v, all, v, v, 0x4E));  // 256-bit halves
 }
@@ -193,11 +211,12 @@ inline __m512 fwht16_avx512(__m512 v) {
 /// cross-register stages, post multiply, stores. kPost: 0 none, 1 scalar scale, 2 vector.
 /// Loops have compile-time trip counts and are fully unrolled, so v[] lives in registers.
 template <int kRegs, bool kPre, int kPost>
-inline void fwht_regs_avx512(float* x, const float* pre, const float* post, float scale) {
+inline void fwht_regs_avx512(const float* in, float* x, const float* pre, const float* post,
+                             float scale) {
   __m512 v[kRegs];
 #pragma GCC unroll 16
   for (int r = 0; r < kRegs; ++r) {
-    v[r] = _mm512_loadu_ps(x + 16 * r);
+    v[r] = _mm512_loadu_ps(in + 16 * r);
     if (kPre) v[r] = _mm512_mul_ps(v[r], _mm512_loadu_ps(pre + 16 * r));
     v[r] = fwht16_avx512(v[r]);
   }
@@ -224,32 +243,33 @@ inline void fwht_regs_avx512(float* x, const float* pre, const float* post, floa
 }
 
 template <int kRegs>
-inline void fwht_regs_avx512_dispatch(float* x, const float* pre, const float* post,
-                                      float scale) {
+inline void fwht_regs_avx512_dispatch(const float* in, float* x, const float* pre,
+                                      const float* post, float scale) {
   if (pre) {
-    if (post) return fwht_regs_avx512<kRegs, true, 2>(x, pre, post, scale);
-    return fwht_regs_avx512<kRegs, true, 1>(x, pre, post, scale);
+    if (post) return fwht_regs_avx512<kRegs, true, 2>(in, x, pre, post, scale);
+    return fwht_regs_avx512<kRegs, true, 1>(in, x, pre, post, scale);
   }
-  if (post) return fwht_regs_avx512<kRegs, false, 2>(x, pre, post, scale);
-  return fwht_regs_avx512<kRegs, false, 1>(x, pre, post, scale);
+  if (post) return fwht_regs_avx512<kRegs, false, 2>(in, x, pre, post, scale);
+  return fwht_regs_avx512<kRegs, false, 1>(in, x, pre, post, scale);
 }
 
 /// AVX-512 FWHT for power-of-two n >= 16, same contract and bit-identical to fwht_scalar.
-inline void fwht_avx512(float* x, int n, const float* pre, const float* post, float scale) {
+inline void fwht_avx512(const float* in, float* x, int n, const float* pre, const float* post,
+                        float scale) {
   switch (n) {
-    case 16: return fwht_regs_avx512_dispatch<1>(x, pre, post, scale);
-    case 32: return fwht_regs_avx512_dispatch<2>(x, pre, post, scale);
-    case 64: return fwht_regs_avx512_dispatch<4>(x, pre, post, scale);
-    case 128: return fwht_regs_avx512_dispatch<8>(x, pre, post, scale);
-    case 256: return fwht_regs_avx512_dispatch<16>(x, pre, post, scale);
+    case 16: return fwht_regs_avx512_dispatch<1>(in, x, pre, post, scale);
+    case 32: return fwht_regs_avx512_dispatch<2>(in, x, pre, post, scale);
+    case 64: return fwht_regs_avx512_dispatch<4>(in, x, pre, post, scale);
+    case 128: return fwht_regs_avx512_dispatch<8>(in, x, pre, post, scale);
+    case 256: return fwht_regs_avx512_dispatch<16>(in, x, pre, post, scale);
     default: break;
   }
   // n >= 512: stages up to h = 128 per 256-float block in registers, the rest across memory.
   for (int i = 0; i < n; i += 256) {
     if (pre) {
-      fwht_regs_avx512<16, true, 0>(x + i, pre + i, nullptr, 0.0f);
+      fwht_regs_avx512<16, true, 0>(in + i, x + i, pre + i, nullptr, 0.0f);
     } else {
-      fwht_regs_avx512<16, false, 0>(x + i, nullptr, nullptr, 0.0f);
+      fwht_regs_avx512<16, false, 0>(in + i, x + i, nullptr, nullptr, 0.0f);
     }
   }
   fwht_memory_stages_avx512(x, n, 256);
@@ -279,11 +299,11 @@ inline __m256 fwht8_avx2(__m256 v) {
 
 /// n = 8 * kRegs floats in registers (kRegs <= 8: half of the 16 ymm registers), no post.
 template <int kRegs, bool kPre>
-inline void fwht_regs_avx2(float* x, const float* pre) {
+inline void fwht_regs_avx2(const float* in, float* x, const float* pre) {
   __m256 v[kRegs];
 #pragma GCC unroll 8
   for (int r = 0; r < kRegs; ++r) {
-    v[r] = _mm256_loadu_ps(x + 8 * r);
+    v[r] = _mm256_loadu_ps(in + 8 * r);
     if (kPre) v[r] = _mm256_mul_ps(v[r], _mm256_loadu_ps(pre + 8 * r));
     v[r] = fwht8_avx2(v[r]);
   }
@@ -305,12 +325,12 @@ inline void fwht_regs_avx2(float* x, const float* pre) {
 }
 
 template <int kRegs>
-inline void fwht_blocks_avx2(float* x, int n, const float* pre) {
+inline void fwht_blocks_avx2(const float* in, float* x, int n, const float* pre) {
   for (int i = 0; i < n; i += 8 * kRegs) {
     if (pre) {
-      fwht_regs_avx2<kRegs, true>(x + i, pre + i);
+      fwht_regs_avx2<kRegs, true>(in + i, x + i, pre + i);
     } else {
-      fwht_regs_avx2<kRegs, false>(x + i, nullptr);
+      fwht_regs_avx2<kRegs, false>(in + i, x + i, nullptr);
     }
   }
 }
@@ -318,12 +338,13 @@ inline void fwht_blocks_avx2(float* x, int n, const float* pre) {
 /// AVX2 FWHT for power-of-two n >= 8 (used when AVX-512 is not compiled in): blocks of up to
 /// 64 floats in registers, the remaining stages across memory, then the post multiply.
 /// Bit-identical to fwht_scalar.
-inline void fwht_avx2(float* x, int n, const float* pre, const float* post, float scale) {
+inline void fwht_avx2(const float* in, float* x, int n, const float* pre, const float* post,
+                      float scale) {
   switch (n) {
-    case 8: fwht_blocks_avx2<1>(x, n, pre); break;
-    case 16: fwht_blocks_avx2<2>(x, n, pre); break;
-    case 32: fwht_blocks_avx2<4>(x, n, pre); break;
-    default: fwht_blocks_avx2<8>(x, n, pre); break;
+    case 8: fwht_blocks_avx2<1>(in, x, n, pre); break;
+    case 16: fwht_blocks_avx2<2>(in, x, n, pre); break;
+    case 32: fwht_blocks_avx2<4>(in, x, n, pre); break;
+    default: fwht_blocks_avx2<8>(in, x, n, pre); break;
   }
   for (int h = 64; h < n; h *= 2) {
     for (int i = 0; i < n; i += 2 * h) {
@@ -343,21 +364,40 @@ inline void fwht_avx2(float* x, int n, const float* pre, const float* post, floa
 }
 #endif  // KVQ_HAS_AVX2
 
-/// FWHT of a power-of-two n (unchecked) with optional pre signs and post multipliers; picks the
-/// widest SIMD path compiled in. See fwht_scalar for the exact operation order.
-inline void fwht_kernel(float* x, int n, const float* pre, const float* post, float scale) {
+/// FWHT of a power-of-two n (unchecked) from `in` to `x` (same pointer for in place) with
+/// optional pre signs and post multipliers; picks the widest SIMD path compiled in. See
+/// fwht_scalar for the exact operation order.
+inline void fwht_kernel(const float* in, float* x, int n, const float* pre, const float* post,
+                        float scale) {
 #if KVQ_HAS_AVX512
-  if (n >= 16) return fwht_avx512(x, n, pre, post, scale);
+  if (n >= 16) return fwht_avx512(in, x, n, pre, post, scale);
 #endif
 #if KVQ_HAS_AVX2
-  if (n >= 8) return fwht_avx2(x, n, pre, post, scale);
+  if (n >= 8) return fwht_avx2(in, x, n, pre, post, scale);
 #endif
-  fwht_scalar(x, n, pre, post, scale);
+  fwht_scalar(in, x, n, pre, post, scale);
+}
+
+/// y[i] = x[idx[i]] for i < n (the permutation step of the two-stage scheme). Vector gathers
+/// instead of scalar loads also avoid store-forwarding stalls on the just-written vectors.
+inline void gather(const float* x, const int32_t* idx, float* y, int n) {
+  int i = 0;
+#if KVQ_HAS_AVX512
+  for (; i + 16 <= n; i += 16) {
+    const __m512i id = _mm512_loadu_si512(idx + i);
+    _mm512_storeu_ps(y + i, _mm512_i32gather_ps(id, x, 4));
+  }
+#elif KVQ_HAS_AVX2
+  for (; i + 8 <= n; i += 8) {
+    const __m256i id = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i));
+    _mm256_storeu_ps(y + i, _mm256_i32gather_ps(x, id, 4));
+  }
+#endif
+  for (; i < n; ++i) y[i] = x[idx[i]];
 }
 
 inline void require_fwht_size(int n) {
-  KVQ_REQUIRE(is_pow2(n), kInvalidArgument, "fwht: length ", n,
-              " is not a positive power of two");
+  KVQ_REQUIRE(is_pow2(n), kInvalidArgument, "fwht: length ", n, " is not a positive power of two");
 }
 
 /// Scratch for the gather step of the two-stage scheme: on the stack up to kStackFloats.
@@ -370,14 +410,16 @@ constexpr int kStackFloats = 2048;
 /// Throws kvq::Error(kInvalidArgument) otherwise.
 inline void fwht(float* x, int n) {
   detail::require_fwht_size(n);
-  detail::fwht_kernel(x, n, nullptr, nullptr, detail::inv_sqrt_f(n));
+  detail::fwht_kernel(x, x, n, nullptr, nullptr, detail::inv_sqrt_f(n));
 }
 
 /// fwht() on `count` contiguous vectors of n floats: x is [count, n].
 inline void fwht_batch(float* x, int64_t count, int n) {
   detail::require_fwht_size(n);
   const float scale = detail::inv_sqrt_f(n);
-  for (int64_t v = 0; v < count; ++v) detail::fwht_kernel(x + v * n, n, nullptr, nullptr, scale);
+  for (int64_t v = 0; v < count; ++v) {
+    detail::fwht_kernel(x + v * n, x + v * n, n, nullptr, nullptr, scale);
+  }
 }
 
 /// Which random orthogonal map a Rotation applies.
@@ -396,14 +438,16 @@ inline const char* to_string(RotationKind k) {
 
 /// A seeded random rotation of R^dim, applied in place to float vectors.
 ///
-/// Construction draws all random parameters once (Hadamard: O(d); dense: O(d^3) QR, about
-/// 10 ms at d = 512); apply*/apply_inverse* are const and thread-safe. The stream layout, so
+/// Construction draws all random parameters once (Hadamard: O(d); dense: O(d^3) QR, ~50 ms at
+/// d = 512); apply*/apply_inverse* are const and thread-safe. The stream layout, so
 /// the parameters can be regenerated elsewhere from (kind, dim, seed) alone:
 /// - kHadamard, d = 2^k: Xoshiro256ss(seed) gives d signs (D1[i] = sign of draw i, top bit set
 ///   means -1).
-/// - kHadamard, d = m * 2^k: d signs D1, then the permutation P by Fisher-Yates (for i = d-1
-///   down to 1: j = bounded(i + 1), swap(p[i], p[j]), starting from the identity), then d
-///   signs D2. Forward y = Hb D2 P Hb D1 x where (P u)[i] = u[p[i]].
+/// - kHadamard, d = m * 2^k (B = 2^k): d signs D1; then P: "shuffle" below is Fisher-Yates
+///   (for i = n-1 down to 1: j = bounded(i + 1), swap(a[i], a[j])). source = identity [m, B],
+///   shuffle each of its m rows; order = identity [m], shuffle it; p[k] = source[order[k % m]]
+///   [k / m] for k = 0..d-1; shuffle each block of B entries of p. Then d signs D2.
+///   Forward y = Hb D2 P Hb D1 x where (P u)[i] = u[p[i]].
 /// - kDense: Xoshiro256ss(seed).normal() fills a d x d matrix G row by row; G = QR
 ///   (Householder); Q's column j is multiplied by sign(R(j, j)); forward y = Q x.
 class Rotation {
@@ -422,7 +466,9 @@ class Rotation {
   static Rotation hadamard(int dim, uint64_t seed) {
     return Rotation(RotationKind::kHadamard, dim, seed);
   }
-  static Rotation dense(int dim, uint64_t seed) { return Rotation(RotationKind::kDense, dim, seed); }
+  static Rotation dense(int dim, uint64_t seed) {
+    return Rotation(RotationKind::kDense, dim, seed);
+  }
 
   /// Largest dim for a dense rotation (its matrix is dim^2 floats: 64 MiB at the limit).
   static constexpr int kMaxDenseDim = 4096;
@@ -502,12 +548,25 @@ class Rotation {
     post1_.resize(dim_);
     for (int i = 0; i < dim_; ++i) post1_[i] = sign1_[i] * scale_;  // exact: +-scale
     if (block_ == dim_) return;
+    // Balanced random deal (see the file comment): target block c receives floor(B/m) or
+    // ceil(B/m) outputs of every first-stage block, at random positions.
+    const int m = dim_ / block_;
+    auto shuffle = [&rng](int32_t* a, int n) {  // Fisher-Yates, i = n-1 down to 1
+      for (int i = n - 1; i > 0; --i) {
+        std::swap(a[i], a[static_cast<int>(rng.bounded(static_cast<uint64_t>(i) + 1))]);
+      }
+    };
+    std::vector<int32_t> source(dim_);  // [m, B]: block b's coordinates in random order
+    for (int i = 0; i < dim_; ++i) source[i] = i;
+    for (int b = 0; b < m; ++b) shuffle(source.data() + b * block_, block_);
+    std::vector<int32_t> block_order(m);
+    for (int b = 0; b < m; ++b) block_order[b] = b;
+    shuffle(block_order.data(), m);
     perm_.resize(dim_);
-    for (int i = 0; i < dim_; ++i) perm_[i] = i;
-    for (int i = dim_ - 1; i > 0; --i) {
-      const int j = static_cast<int>(rng.bounded(static_cast<uint64_t>(i) + 1));
-      std::swap(perm_[i], perm_[j]);
-    }
+    for (int k = 0; k < dim_; ++k) perm_[k] = source[block_order[k % m] * block_ + k / m];
+    for (int c = 0; c < m; ++c) shuffle(perm_.data() + c * block_, block_);
+    inv_perm_.resize(dim_);
+    for (int i = 0; i < dim_; ++i) inv_perm_[perm_[i]] = i;
     sign2_.resize(dim_);
     for (float& s : sign2_) s = rng.sign();
     post2_.resize(dim_);
@@ -515,8 +574,8 @@ class Rotation {
   }
 
   void init_dense() {
-    KVQ_REQUIRE(dim_ <= kMaxDenseDim, kUnsupported, "dense rotation: dimension ", dim_,
-                " exceeds ", kMaxDenseDim, " (its matrix would be dim^2 floats)");
+    KVQ_REQUIRE(dim_ <= kMaxDenseDim, kUnsupported, "dense rotation: dimension ", dim_, " exceeds ",
+                kMaxDenseDim, " (its matrix would be dim^2 floats)");
     detail::Xoshiro256ss rng(seed_);
     Eigen::MatrixXd g(dim_, dim_);
     for (int i = 0; i < dim_; ++i) {
@@ -531,8 +590,10 @@ class Rotation {
     q_ = q.cast<float>();
   }
 
+  // Two-stage forward: Hb D1 from x into scratch t, gather back into x (P), then Hb D2 in
+  // place. The inverse runs the mirror image with the inverse permutation.
   void hadamard_forward(float* x) const {
-    if (block_ == dim_) return detail::fwht_kernel(x, dim_, sign1_.data(), nullptr, scale_);
+    if (block_ == dim_) return detail::fwht_kernel(x, x, dim_, sign1_.data(), nullptr, scale_);
     float stack[detail::kStackFloats];
     std::vector<float> heap;
     float* t = stack;
@@ -541,17 +602,16 @@ class Rotation {
       t = heap.data();
     }
     for (int o = 0; o < dim_; o += block_) {
-      detail::fwht_kernel(x + o, block_, sign1_.data() + o, nullptr, scale_);
+      detail::fwht_kernel(x + o, t + o, block_, sign1_.data() + o, nullptr, scale_);
     }
-    for (int i = 0; i < dim_; ++i) t[i] = x[perm_[i]] * sign2_[i];  // exact (+-1)
+    detail::gather(t, perm_.data(), x, dim_);
     for (int o = 0; o < dim_; o += block_) {
-      detail::fwht_kernel(t + o, block_, nullptr, nullptr, scale_);
+      detail::fwht_kernel(x + o, x + o, block_, sign2_.data() + o, nullptr, scale_);
     }
-    std::memcpy(x, t, sizeof(float) * dim_);
   }
 
   void hadamard_inverse(float* x) const {
-    if (block_ == dim_) return detail::fwht_kernel(x, dim_, nullptr, post1_.data(), 0.0f);
+    if (block_ == dim_) return detail::fwht_kernel(x, x, dim_, nullptr, post1_.data(), 0.0f);
     float stack[detail::kStackFloats];
     std::vector<float> heap;
     float* t = stack;
@@ -560,13 +620,12 @@ class Rotation {
       t = heap.data();
     }
     for (int o = 0; o < dim_; o += block_) {
-      detail::fwht_kernel(x + o, block_, nullptr, post2_.data() + o, 0.0f);
+      detail::fwht_kernel(x + o, t + o, block_, nullptr, post2_.data() + o, 0.0f);
     }
-    for (int i = 0; i < dim_; ++i) t[perm_[i]] = x[i];
+    detail::gather(t, inv_perm_.data(), x, dim_);
     for (int o = 0; o < dim_; o += block_) {
-      detail::fwht_kernel(t + o, block_, nullptr, post1_.data() + o, 0.0f);
+      detail::fwht_kernel(x + o, x + o, block_, nullptr, post1_.data() + o, 0.0f);
     }
-    std::memcpy(x, t, sizeof(float) * dim_);
   }
 
   void dense_apply(float* x, int64_t n, bool inverse) const {
@@ -586,7 +645,8 @@ class Rotation {
   float scale_ = 1.0f;
   std::vector<float> sign1_, sign2_;  // [dim] +-1
   std::vector<float> post1_, post2_;  // [dim] sign * scale, the inverse's post multipliers
-  std::vector<int32_t> perm_;         // [dim]
+  std::vector<int32_t> perm_;         // [dim] forward gather: (P u)[i] = u[perm_[i]]
+  std::vector<int32_t> inv_perm_;     // [dim] its inverse
   RowMatrix q_;                       // [dim, dim] dense only
 };
 

@@ -39,9 +39,9 @@ inline double fp8_value(fp8::Fp8Kind kind, uint8_t c) {
     return sign ? -std::numeric_limits<double>::infinity()
                 : std::numeric_limits<double>::infinity();
   }
-  const double mag = e == 0 ? std::ldexp(static_cast<double>(m), 1 - bias - mant_bits)
-                            : std::ldexp(static_cast<double>((1 << mant_bits) + m),
-                                         e - bias - mant_bits);
+  const double mag =
+      e == 0 ? std::ldexp(static_cast<double>(m), 1 - bias - mant_bits)
+             : std::ldexp(static_cast<double>((1 << mant_bits) + m), e - bias - mant_bits);
   return sign ? -mag : mag;
 }
 
@@ -84,8 +84,8 @@ inline uint8_t fp8_encode(fp8::Fp8Kind kind, float x, bool saturate) {
     code = t.back().code;  // overflow (inf included)
   } else {
     // first entry with value > a; its predecessor is <= a (t[0] is 0)
-    const auto hi = std::upper_bound(t.begin(), t.end(), a,
-                                     [](double v, const detail::Fp8Entry& e) { return v < e.value; });
+    const auto hi = std::upper_bound(
+        t.begin(), t.end(), a, [](double v, const detail::Fp8Entry& e) { return v < e.value; });
     const auto lo = hi - 1;
     const double twice = 2.0 * a;
     const double mid2 = lo->value + hi->value;

@@ -106,8 +106,8 @@ inline std::vector<double> dense_rotation_ref(const float* q, const float* x, in
   for (int i = 0; i < dim; ++i) {
     double s = 0.0;
     for (int j = 0; j < dim; ++j) {
-      const float qij = inverse ? q[static_cast<int64_t>(j) * dim + i]
-                                : q[static_cast<int64_t>(i) * dim + j];
+      const float qij =
+          inverse ? q[static_cast<int64_t>(j) * dim + i] : q[static_cast<int64_t>(i) * dim + j];
       s += static_cast<double>(qij) * x[j];
     }
     y[i] = s;

@@ -117,8 +117,8 @@ struct Fp8EncodeAvx512 {
   __m512i magnitude(__m512 p) const {
     // vminps returns its second operand when either is NaN, so a NaN |p| survives the clamp
     // (vrangeps would do abs and min in one op but returns the non-NaN operand).
-    const __m512 ax = _mm512_min_ps(clamp, _mm512_castsi512_ps(_mm512_and_si512(
-                                               _mm512_castps_si512(p), abs_mask)));
+    const __m512 ax = _mm512_min_ps(
+        clamp, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p), abs_mask)));
     const __m512i axi = _mm512_castps_si512(ax);
     __m512i t = _mm512_add_epi32(axi, round_rebias);
     t = _mm512_mask_add_epi32(t, _mm512_test_epi32_mask(axi, lsb_bit), t, one);
@@ -132,9 +132,9 @@ struct Fp8EncodeAvx512 {
     const __m512i c = _mm512_packus_epi16(_mm512_packus_epi32(magnitude(p0), magnitude(p1)),
                                           _mm512_packus_epi32(magnitude(p2), magnitude(p3)));
     // Signed saturating packs keep each value's sign in bit 7 of its byte.
-    const __m512i s = _mm512_packs_epi16(
-        _mm512_packs_epi32(_mm512_castps_si512(p0), _mm512_castps_si512(p1)),
-        _mm512_packs_epi32(_mm512_castps_si512(p2), _mm512_castps_si512(p3)));
+    const __m512i s =
+        _mm512_packs_epi16(_mm512_packs_epi32(_mm512_castps_si512(p0), _mm512_castps_si512(p1)),
+                           _mm512_packs_epi32(_mm512_castps_si512(p2), _mm512_castps_si512(p3)));
     // bits 0..6 from c; bit 7 = s & ~c (a saturated 0xFF, i.e. NaN, becomes 0x7F).
     const __m512i r = _mm512_ternarylogic_epi32(c, s, sign_bit, 0x58);
     _mm512_storeu_si512(dst, _mm512_permutexvar_epi32(perm, r));
@@ -154,44 +154,49 @@ struct Fp8EncodeAvx512 {
   }
 };
 
-/// AVX-512 decoder: 16 codes -> 16 floats via fp16 bits and vcvtph2ps.
+/// AVX-512 decoder: 64 codes per block; codes become fp16 bits 32 at a time, then vcvtph2ps,
+/// one multiply and the NaN fix-up 16 at a time.
 template <class F>
 struct Fp8DecodeAvx512 {
   __m512 mul, nan;
-  __m256i e4m3_keep;
-  __m128i low7, nan_min;
+  __m512i low7, nan_min, e4m3_keep;
 
   explicit Fp8DecodeAvx512(float scale)
       : mul(_mm512_set1_ps(F::kHasInf ? scale : scale * 256.f)),
         nan(_mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff))),
-        e4m3_keep(_mm256_set1_epi16(static_cast<short>(0xBFFF))),
-        low7(_mm_set1_epi8(0x7f)),
-        nan_min(_mm_set1_epi8(F::kHasInf ? 0x7d : 0x7f)) {}
+        low7(_mm512_set1_epi8(0x7f)),
+        nan_min(_mm512_set1_epi8(F::kHasInf ? 0x7d : 0x7f)),
+        e4m3_keep(_mm512_set1_epi16(static_cast<short>(0xBFFF))) {}
 
-  __m512 f32x16(__m128i c) const {
-    __m256i h;
-    if (F::kHasInf) {
-      h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8);  // e5m2 = top byte of an fp16
-    } else {
-      // sign-extended byte << 7: sign to bit 15, magnitude to bits 7..13; clear bit 14.
-      h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7), e4m3_keep);
-    }
-    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), mul);
-    const __mmask16 is_nan = _mm_cmpge_epu8_mask(_mm_and_si128(c, low7), nan_min);
-    return _mm512_mask_mov_ps(f, is_nan, nan);
+  /// 32 codes -> 32 fp16 bit patterns (exact: e5m2 = the top byte of an fp16; e4m3 = an fp16
+  /// times 2^8, its sign-extended byte << 7 puts the sign in bit 15 and the magnitude in bits
+  /// 7..13, and bit 14 is cleared).
+  __m512i half_bits(__m256i c) const {
+    if (F::kHasInf) return _mm512_slli_epi16(_mm512_cvtepu8_epi16(c), 8);
+    return _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(c), 7), e4m3_keep);
   }
 
-  void block(const uint8_t* src, float* dst) const {
-    for (int k = 0; k < 4; ++k) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k));
-      _mm512_storeu_ps(dst + 16 * k, f32x16(c));
-    }
+  __m512 f32x16(__m256i h, __mmask16 is_nan) const {
+    return _mm512_mask_mov_ps(_mm512_mul_ps(_mm512_cvtph_ps(h), mul), is_nan, nan);
   }
-  void block(const uint8_t* src, f16* dst) const {
-    for (int k = 0; k < 4; ++k) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k));
-      const __m256i h = _mm512_cvtps_ph(f32x16(c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * k), h);
+
+  static void store16(float* dst, __m512 f) { _mm512_storeu_ps(dst, f); }
+  static void store16(f16* dst, __m512 f) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                        _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+
+  template <class Dst>
+  void block(const uint8_t* src, Dst* dst) const {
+    const __m512i c = _mm512_loadu_si512(src);
+    const __mmask64 is_nan = _mm512_cmpge_epu8_mask(_mm512_and_si512(c, low7), nan_min);
+    for (int k = 0; k < 2; ++k) {
+      const __m512i h =
+          half_bits(k == 0 ? _mm512_castsi512_si256(c) : _mm512_extracti64x4_epi64(c, 1));
+      const __mmask32 m = static_cast<__mmask32>(is_nan >> (32 * k));
+      store16(dst + 32 * k, f32x16(_mm512_castsi512_si256(h), static_cast<__mmask16>(m)));
+      store16(dst + 32 * k + 16,
+              f32x16(_mm512_extracti64x4_epi64(h, 1), static_cast<__mmask16>(m >> 16)));
     }
   }
 };
@@ -240,9 +245,9 @@ struct Fp8EncodeAvx2 {
   void block(__m256 p0, __m256 p1, __m256 p2, __m256 p3, uint8_t* dst) const {
     const __m256i c = _mm256_packus_epi16(_mm256_packus_epi32(magnitude(p0), magnitude(p1)),
                                           _mm256_packus_epi32(magnitude(p2), magnitude(p3)));
-    const __m256i s = _mm256_packs_epi16(
-        _mm256_packs_epi32(_mm256_castps_si256(p0), _mm256_castps_si256(p1)),
-        _mm256_packs_epi32(_mm256_castps_si256(p2), _mm256_castps_si256(p3)));
+    const __m256i s =
+        _mm256_packs_epi16(_mm256_packs_epi32(_mm256_castps_si256(p0), _mm256_castps_si256(p1)),
+                           _mm256_packs_epi32(_mm256_castps_si256(p2), _mm256_castps_si256(p3)));
     const __m256i r = _mm256_or_si256(_mm256_and_si256(c, low7),
                                       _mm256_and_si256(_mm256_andnot_si256(c, s), bit7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_permutevar8x32_epi32(r, perm));
@@ -412,8 +417,8 @@ inline void encode(Fp8Kind kind, const float* src, uint8_t* dst, std::size_t n,
 }
 
 /// dst[i] = encode(kind, float(src[i]) * inv_scale, saturate) for i < n (fp16 input).
-inline void encode(Fp8Kind kind, const f16* src, uint8_t* dst, std::size_t n,
-                   float inv_scale = 1.f, bool saturate = true) {
+inline void encode(Fp8Kind kind, const f16* src, uint8_t* dst, std::size_t n, float inv_scale = 1.f,
+                   bool saturate = true) {
   if (kind == Fp8Kind::kE4M3) {
     detail::fp8_encode_span<detail::E4M3Format>(src, dst, n, inv_scale, saturate);
   } else {
@@ -422,8 +427,7 @@ inline void encode(Fp8Kind kind, const f16* src, uint8_t* dst, std::size_t n,
 }
 
 /// dst[i] = decode(kind, src[i]) * scale for i < n (fp32, one rounding).
-inline void decode(Fp8Kind kind, const uint8_t* src, float* dst, std::size_t n,
-                   float scale = 1.f) {
+inline void decode(Fp8Kind kind, const uint8_t* src, float* dst, std::size_t n, float scale = 1.f) {
   if (kind == Fp8Kind::kE4M3) {
     detail::fp8_decode_span<detail::E4M3Format>(src, dst, n, scale);
   } else {

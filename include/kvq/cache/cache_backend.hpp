@@ -1,0 +1,56 @@
+#pragma once
+/// \file cache_backend.hpp
+/// KVBackend adapter: lets the real-model evaluator (eval/llama2c.hpp) keep its KV cache in a
+/// KVCache under a Policy, so a policy is measured by perplexity / KL on exactly the tokens the
+/// Fp32Backend baseline sees.
+///
+/// This adapter sits at the top of the stack (it includes attention/, which is above cache/);
+/// nothing else in cache/ depends on it.
+///
+/// Keys are stored post-RoPE (the `k` argument): the cache has no RoPE of its own to apply
+/// after dequantization, so pre-RoPE key quantization (KVQuant) is not what this backend
+/// measures.
+#include <utility>
+
+#include "kvq/attention/attention.hpp"
+#include "kvq/cache/kv_cache.hpp"
+#include "kvq/core/error.hpp"
+#include "kvq/eval/kv_backend.hpp"
+#include "kvq/policy/spec.hpp"
+
+namespace kvq {
+
+/// A KVBackend that stores every layer's keys and values in a KVCache under `policy`.
+class CacheBackend final : public eval::KVBackend {
+ public:
+  CacheBackend(Policy policy, const eval::KVGeometry& g)
+      : cache_(std::move(policy), g.n_layers, g.n_kv_heads, g.head_dim, g.max_tokens) {}
+
+  void reset() override { cache_.clear(); }
+
+  void append(int layer, int pos, const float* /*k_prerope*/, const float* k,
+              const float* v) override {
+    const int64_t t = cache_.tokens(layer);
+    KVQ_REQUIRE(pos == t, kInvalidArgument, "CacheBackend::append: layer ", layer, " holds ", t,
+                " tokens, so the next position must be ", t, ", got ", pos);
+    const int H = cache_.kv_heads(), D = cache_.head_dim();
+    cache_.append(layer, KVView<const float>::nhd(k, 1, H, D),
+                  KVView<const float>::nhd(v, 1, H, D));
+  }
+
+  void attend(int layer, int pos, const float* q, int n_heads, float* out) override {
+    const int64_t t = cache_.tokens(layer);
+    KVQ_REQUIRE(t > 0 && pos == t - 1, kInvalidArgument, "CacheBackend::attend: layer ", layer,
+                " holds ", t, " tokens; a query at position ", pos,
+                " must come right after appending its own token");
+    attend_one(cache_, layer, q, n_heads, out, ws_);
+  }
+
+  const KVCache& cache() const { return cache_; }
+
+ private:
+  KVCache cache_;
+  AttentionWorkspace ws_;
+};
+
+}  // namespace kvq

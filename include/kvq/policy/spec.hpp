@@ -1,0 +1,587 @@
+#pragma once
+/// \file spec.hpp
+/// Runtime KV-cache policies and their spec strings.
+///
+/// A Policy says how a whole model's cache is stored: one QuantConfig for keys and one for
+/// values, the full-precision residual window and sinks, which boundary layers are left
+/// unquantized, and per-layer overrides. Tools take it as a spec string, engines build it from a
+/// compile-time KVPolicy<...> (policy.hpp); both produce this one struct, so the cache and the
+/// accountant see a single representation and there is no second code path.
+///
+/// The spec grammar is a contract with checks outside kvq; docs/policy.md is its reference:
+///
+///   spec   := item (',' item)*          the first item may be a preset name
+///   item   := preset | field '=' value
+///   field  := k | v | residual | sinks | skip | skipas | k@<layer> | v@<layer>
+///   term   := fmt ('/' option)*          (k, v, skipas, k@L, v@L)
+///   fmt    := f32 f16 bf16 e4m3 e5m2 int2 int3 int4 int8 sint2 sint3 sint4 sint8 lm1..lm4
+///   option := token | channel | head | tensor | g<N> | rot | qjl | f32meta
+///   skip   := <N> | <N>:<M>                 first N and last M layers (N alone: M = N)
+///
+/// Defaults for omitted parts: int/sint axis token, group 32; fp8 axis head, group 0 (all
+/// tokens of a stream block; per-head scale); Lloyd-Max takes no axis or group (one norm per
+/// vector) and always rotates; metadata fp16; residual, sinks and skip 0; skipped layers f32.
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "kvq/core/error.hpp"
+#include "kvq/geometry/grouping.hpp"
+#include "kvq/quant/qtensor.hpp"
+
+namespace kvq {
+
+/// Group size an int/sint term gets when the spec gives no g<N> (32: the KIVI and llama.cpp
+/// block size, whose metadata costs 1 bit per value with fp16 scale + zero point).
+inline constexpr int64_t kDefaultIntGroup = 32;
+
+/// Largest number a spec accepts anywhere (residual, sinks, skip, layer index, group). Keeps
+/// every later product of token counts far from integer overflow.
+inline constexpr int64_t kMaxSpecNumber = int64_t{1} << 24;
+
+// ---------------------------------------------------------------------------------------------
+// QuantConfig builders: the one place where a format name turns into a QuantConfig, used by the
+// spec parser and the compile-time quantizer tags alike.
+
+/// Unquantized storage: f32, f16 or bf16.
+inline QuantConfig raw_config(Format f) {
+  KVQ_REQUIRE(f == Format::kF32 || f == Format::kF16 || f == Format::kBF16, kInvalidArgument,
+              "raw_config: format ", to_string(f), " is not an unquantized format");
+  QuantConfig c;
+  c.format = f;
+  c.bits = f == Format::kF32 ? 32 : 16;
+  c.axis = Axis::kToken;
+  c.group = 0;
+  return c;
+}
+
+/// Grouped uniform integer (asymmetric min/scale, or symmetric absmax when `symmetric`).
+inline QuantConfig int_config(int bits, Axis axis = Axis::kToken, int64_t group = kDefaultIntGroup,
+                              bool symmetric = false) {
+  QuantConfig c;
+  c.format = Format::kInt;
+  c.bits = bits;
+  c.symmetric = symmetric;
+  c.axis = axis;
+  c.group = group;
+  return c;
+}
+
+/// Scaled FP8 (kE4M3 or kE5M2), one scale per group box of `axis`.
+inline QuantConfig fp8_config(Format f, Axis axis = Axis::kHead, int64_t group = 0) {
+  KVQ_REQUIRE(f == Format::kE4M3 || f == Format::kE5M2, kInvalidArgument, "fp8_config: format ",
+              to_string(f), " is not an fp8 format");
+  QuantConfig c;
+  c.format = f;
+  c.bits = 8;
+  c.axis = axis;
+  c.group = group;
+  return c;
+}
+
+/// Rotate-then-Lloyd-Max with a per-vector norm (TurboQuant style); `qjl` adds the 1-bit QJL
+/// residual (keys only).
+inline QuantConfig lm_config(int bits, bool qjl = false) {
+  QuantConfig c;
+  c.format = Format::kLloydMax;
+  c.bits = bits;
+  c.axis = Axis::kToken;
+  c.group = 0;
+  c.qjl = qjl;
+  return c;
+}
+
+/// Throws kInvalidArgument unless `c` is a configuration the spec grammar can express (the
+/// domain of every Policy): int bits 2/3/4/8 with group >= 1; fp8 on the token, head or tensor
+/// axis with group >= 0; Lloyd-Max bits 1..4; QJL only where `allow_qjl` (keys). `role` names
+/// the config in messages ("key", "value", ...).
+inline void validate_config(const QuantConfig& c, const std::string& role, bool allow_qjl) {
+  switch (c.format) {
+    case Format::kF32:
+    case Format::kF16:
+    case Format::kBF16:
+      return;
+    case Format::kInt:
+      KVQ_REQUIRE(c.bits == 2 || c.bits == 3 || c.bits == 4 || c.bits == 8, kInvalidArgument, role,
+                  " config: integer formats support 2, 3, 4 or 8 bits, got ", c.bits);
+      KVQ_REQUIRE(c.group >= 1 && c.group <= kMaxSpecNumber, kInvalidArgument, role,
+                  " config: int group size must be in [1, ", kMaxSpecNumber, "], got ", c.group,
+                  " (a policy has no 'whole extent' int group; give the extent, e.g. g128)");
+      return;
+    case Format::kE4M3:
+    case Format::kE5M2:
+      KVQ_REQUIRE(c.axis != Axis::kChannel, kInvalidArgument, role,
+                  " config: ", to_string(c.format),
+                  " scales are per token, per head or per tensor; the channel axis is not "
+                  "supported for fp8");
+      KVQ_REQUIRE(c.group >= 0 && c.group <= kMaxSpecNumber, kInvalidArgument, role,
+                  " config: fp8 group size must be in [0, ", kMaxSpecNumber, "], got ", c.group);
+      return;
+    case Format::kLloydMax:
+      KVQ_REQUIRE(c.bits >= 1 && c.bits <= 4, kInvalidArgument, role,
+                  " config: Lloyd-Max codebooks have 1 to 4 bits, got ", c.bits);
+      KVQ_REQUIRE(allow_qjl || !c.qjl, kInvalidArgument, role,
+                  " config: QJL is an inner-product estimator for keys; ", role, "s cannot use it");
+      return;
+  }
+  fail(ErrorKind::kInvalidArgument, role, " config: unknown format ", static_cast<int>(c.format));
+}
+
+/// True when a and b store tensors identically. Fields a format ignores are not compared
+/// (bits of raw and fp8 formats, axis and group of raw and Lloyd-Max, the seed of non-rotating
+/// formats, ...), so a hand-built config equals its parsed twin.
+inline bool same_config(const QuantConfig& a, const QuantConfig& b) {
+  if (a.format != b.format) return false;
+  switch (a.format) {
+    case Format::kF32:
+    case Format::kF16:
+    case Format::kBF16:
+      return true;
+    case Format::kInt:
+      return a.bits == b.bits && a.symmetric == b.symmetric && a.axis == b.axis &&
+             a.group == b.group && a.meta == b.meta;
+    case Format::kE4M3:
+    case Format::kE5M2:
+      return a.axis == b.axis && a.group == b.group && a.meta == b.meta &&
+             a.fp8_margin == b.fp8_margin;
+    case Format::kLloydMax:
+      return a.bits == b.bits && a.qjl == b.qjl && a.meta == b.meta && a.seed == b.seed;
+  }
+  return false;
+}
+
+/// Canonical spec term of a config, e.g. "int2/channel/g32", "e4m3/head", "lm4/rot/qjl".
+/// Every part is written (no defaults left implicit) except an fp8 group of 0. The seed and the
+/// fp8 margin are not part of the grammar: a parsed config always has their defaults.
+inline std::string config_spec(const QuantConfig& c) {
+  std::string s;
+  switch (c.format) {
+    case Format::kF32:
+      return "f32";
+    case Format::kF16:
+      return "f16";
+    case Format::kBF16:
+      return "bf16";
+    case Format::kInt:
+      s = (c.symmetric ? "sint" : "int") + std::to_string(c.bits) + "/" + to_string(c.axis) + "/g" +
+          std::to_string(c.group);
+      break;
+    case Format::kE4M3:
+    case Format::kE5M2:
+      s = std::string(to_string(c.format)) + "/" + to_string(c.axis);
+      if (c.group > 0) s += "/g" + std::to_string(c.group);
+      break;
+    case Format::kLloydMax:
+      s = "lm" + std::to_string(c.bits) + "/rot";
+      if (c.qjl) s += "/qjl";
+      break;
+  }
+  if (c.meta == MetaDType::kF32) s += "/f32meta";
+  return s;
+}
+
+/// A whole model's KV-cache storage policy (runtime form; see the file comment for the spec).
+struct Policy {
+  QuantConfig key = raw_config(Format::kF32);    ///< keys of non-skipped layers
+  QuantConfig value = raw_config(Format::kF32);  ///< values of non-skipped layers
+  int residual = 0;    ///< newest tokens kept in f32 until a whole block can be quantized
+  int sinks = 0;       ///< first tokens of the sequence, kept in f32 forever
+  int skip_first = 0;  ///< layers [0, skip_first) use skip_config
+  int skip_last = 0;   ///< layers [n_layers - skip_last, n_layers) use skip_config
+  /// Storage of skipped layers, keys and values alike (f32 unless the spec says skipas=...).
+  QuantConfig skip_config = raw_config(Format::kF32);
+  /// Per-layer (key, value) configs; they win over skip and over the base configs.
+  std::map<int, std::pair<QuantConfig, QuantConfig>> overrides;
+
+  /// True when `layer` of an n_layers model is a skipped boundary layer (overrides aside).
+  /// Ranges may overlap: skip=3:3 on a 4-layer model skips every layer.
+  bool skips(int layer, int n_layers) const {
+    check_layer(layer, n_layers);
+    return layer < skip_first || layer >= n_layers - skip_last;
+  }
+  /// Key config of `layer`: its override, else skip_config when skipped, else `key`.
+  QuantConfig key_for(int layer, int n_layers) const {
+    check_layer(layer, n_layers);
+    if (auto it = overrides.find(layer); it != overrides.end()) return it->second.first;
+    return skips(layer, n_layers) ? skip_config : key;
+  }
+  /// Value config of `layer`: its override, else skip_config when skipped, else `value`.
+  QuantConfig value_for(int layer, int n_layers) const {
+    check_layer(layer, n_layers);
+    if (auto it = overrides.find(layer); it != overrides.end()) return it->second.second;
+    return skips(layer, n_layers) ? skip_config : value;
+  }
+
+  /// Throws kInvalidArgument unless every field is inside the spec grammar's domain (the cache
+  /// calls this, so hand-built policies get the same checks as parsed ones).
+  void validate() const {
+    validate_config(key, "key", true);
+    validate_config(value, "value", false);
+    validate_config(skip_config, "skip (skipas)", false);
+    auto count = [](int v, const char* what) {
+      KVQ_REQUIRE(v >= 0 && v <= kMaxSpecNumber, kInvalidArgument, "policy: ", what,
+                  " must be in [0, ", kMaxSpecNumber, "], got ", v);
+    };
+    count(residual, "residual");
+    count(sinks, "sinks");
+    count(skip_first, "skip_first");
+    count(skip_last, "skip_last");
+    for (const auto& [layer, kv] : overrides) {
+      count(layer, "override layer index");
+      const std::string at = "layer " + std::to_string(layer) + " override ";
+      validate_config(kv.first, at + "key", true);
+      validate_config(kv.second, at + "value", false);
+    }
+  }
+
+  /// Canonical spec: every field explicit, in the order
+  ///   k=..,v=..,residual=R,sinks=S,skip=N:M[,skipas=..][,k@L=..,v@L=.. for each override]
+  /// (skipas only when not f32). parse_policy(spec()) == *this for every valid policy whose
+  /// seeds and fp8 margins are the defaults. Throws kInvalidArgument for an invalid policy.
+  std::string spec() const {
+    validate();
+    std::string s = "k=" + config_spec(key) + ",v=" + config_spec(value) +
+                    ",residual=" + std::to_string(residual) + ",sinks=" + std::to_string(sinks) +
+                    ",skip=" + std::to_string(skip_first) + ":" + std::to_string(skip_last);
+    if (!same_config(skip_config, raw_config(Format::kF32)))
+      s += ",skipas=" + config_spec(skip_config);
+    for (const auto& [layer, kv] : overrides) {
+      s += ",k@" + std::to_string(layer) + "=" + config_spec(kv.first);
+      s += ",v@" + std::to_string(layer) + "=" + config_spec(kv.second);
+    }
+    return s;
+  }
+
+ private:
+  static void check_layer(int layer, int n_layers) {
+    KVQ_REQUIRE(n_layers > 0 && layer >= 0 && layer < n_layers, kInvalidArgument, "policy: layer ",
+                layer, " out of range for a model with ", n_layers, " layers");
+  }
+};
+
+inline bool operator==(const Policy& a, const Policy& b) {
+  if (!same_config(a.key, b.key) || !same_config(a.value, b.value) ||
+      !same_config(a.skip_config, b.skip_config) || a.residual != b.residual ||
+      a.sinks != b.sinks || a.skip_first != b.skip_first || a.skip_last != b.skip_last ||
+      a.overrides.size() != b.overrides.size())
+    return false;
+  auto ia = a.overrides.begin();
+  for (auto ib = b.overrides.begin(); ib != b.overrides.end(); ++ia, ++ib) {
+    if (ia->first != ib->first || !same_config(ia->second.first, ib->second.first) ||
+        !same_config(ia->second.second, ib->second.second))
+      return false;
+  }
+  return true;
+}
+inline bool operator!=(const Policy& a, const Policy& b) { return !(a == b); }
+
+/// A named policy: `spec` is what the name expands to (parsed by the same parser).
+struct Preset {
+  const char* name;
+  const char* spec;
+  const char* description;
+};
+
+/// Every preset, in documentation order.
+inline const std::vector<Preset>& policy_presets() {
+  static const std::vector<Preset> kPresets = {
+      {"f32", "k=f32,v=f32", "no quantization (the fp32 baseline)"},
+      {"f16", "k=f16,v=f16", "fp16 storage, no scales"},
+      {"fp8", "k=e4m3/head,v=e4m3/head", "e4m3 keys and values, one scale per head and block"},
+      {"k8v4", "k=e4m3/head,v=int4/token/g32",
+       "e4m3 keys (per-head scale), int4 values per token in groups of 32 channels"},
+      {"kivi2", "k=int2/channel/g32,v=int2/token/g32,residual=32",
+       "KIVI 2-bit: keys per channel over 32 tokens, values per token, 32-token residual"},
+      {"kivi4", "k=int4/channel/g32,v=int4/token/g32,residual=32", "KIVI 4-bit"},
+      {"kivi2-flip", "k=int2/token/g32,v=int2/channel/g32,residual=32",
+       "kivi2 with the axes swapped (the geometry that breaks models; for comparison)"},
+      {"kivi4-flip", "k=int4/token/g32,v=int4/channel/g32,residual=32",
+       "kivi4 with the axes swapped"},
+      {"turbo3", "k=lm3,v=lm3", "rotate + 3-bit Lloyd-Max, per-vector norm (TurboQuant)"},
+      {"turbo4", "k=lm4,v=lm4", "rotate + 4-bit Lloyd-Max, per-vector norm (TurboQuant)"},
+  };
+  return kPresets;
+}
+
+namespace detail {
+
+inline constexpr const char* kSpecFormats =
+    "f32, f16, bf16, e4m3, e5m2, int2, int3, int4, int8, sint2, sint3, sint4, sint8, lm1, lm2, "
+    "lm3, lm4";
+inline constexpr const char* kSpecOptions =
+    "an axis (token, channel, head, tensor), g<N>, rot, qjl or f32meta";
+inline constexpr const char* kSpecFields =
+    "k, v, residual, sinks, skip, skipas, k@<layer>, v@<layer>";
+
+inline std::string preset_list() {
+  std::string s;
+  for (const Preset& p : policy_presets()) s += (s.empty() ? "" : ", ") + std::string(p.name);
+  return s;
+}
+
+inline const Preset* find_preset(std::string_view name) {
+  for (const Preset& p : policy_presets())
+    if (name == p.name) return &p;
+  return nullptr;
+}
+
+inline std::string_view trim(std::string_view s) {
+  const auto ws = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
+  while (!s.empty() && ws(s.front())) s.remove_prefix(1);
+  while (!s.empty() && ws(s.back())) s.remove_suffix(1);
+  return s;
+}
+
+inline std::vector<std::string_view> split(std::string_view s, char sep) {
+  std::vector<std::string_view> out;
+  std::size_t start = 0;
+  for (;;) {
+    const std::size_t p = s.find(sep, start);
+    out.push_back(s.substr(start, p == std::string_view::npos ? s.size() - start : p - start));
+    if (p == std::string_view::npos) return out;
+    start = p + 1;
+  }
+}
+
+/// A non-negative decimal number in [0, kMaxSpecNumber]: digits only (no sign, no spaces, no
+/// suffix). `what` names the number and `item` the spec item, for the message.
+inline int64_t parse_spec_number(std::string_view digits, std::string_view what,
+                                 std::string_view item) {
+  KVQ_REQUIRE(!digits.empty(), kParse, "missing number for ", what, " in '", item,
+              "' (expected a non-negative integer)");
+  int64_t v = 0;
+  for (char c : digits) {
+    KVQ_REQUIRE(c >= '0' && c <= '9', kParse, "expected a non-negative integer for ", what, " in '",
+                item, "', got '", digits, "'");
+    v = v * 10 + (c - '0');
+    KVQ_REQUIRE(v <= kMaxSpecNumber, kParse, "number '", digits, "' for ", what, " in '", item,
+                "' is too large (at most ", kMaxSpecNumber, ")");
+  }
+  return v;
+}
+
+/// The format part of a term, with the defaults of its family; false when `f` names none.
+inline bool lookup_format(std::string_view f, QuantConfig& c) {
+  if (f == "f32" || f == "f16" || f == "bf16") {
+    c = raw_config(f == "f32" ? Format::kF32 : (f == "f16" ? Format::kF16 : Format::kBF16));
+    return true;
+  }
+  if (f == "e4m3" || f == "e5m2") {
+    c = fp8_config(f == "e4m3" ? Format::kE4M3 : Format::kE5M2);
+    return true;
+  }
+  const bool sym = f.substr(0, 4) == "sint";
+  if (sym || f.substr(0, 3) == "int") {
+    const std::string_view b = f.substr(sym ? 4 : 3);
+    if (b != "2" && b != "3" && b != "4" && b != "8") return false;
+    c = int_config(b[0] - '0', Axis::kToken, kDefaultIntGroup, sym);
+    return true;
+  }
+  if (f.size() == 3 && f.substr(0, 2) == "lm" && f[2] >= '1' && f[2] <= '4') {
+    c = lm_config(f[2] - '0');
+    return true;
+  }
+  return false;
+}
+
+/// The axis named by `o`; false when `o` is not an axis name.
+inline bool lookup_axis(std::string_view o, Axis& axis) {
+  for (Axis a : {Axis::kToken, Axis::kChannel, Axis::kHead, Axis::kTensor}) {
+    if (o == to_string(a)) {
+      axis = a;
+      return true;
+    }
+  }
+  return false;
+}
+
+/// Parses one quantizer term ("int4/channel/g32"); `item` is the whole spec item for messages.
+inline QuantConfig parse_term(std::string_view term, std::string_view item, bool allow_qjl) {
+  const std::vector<std::string_view> parts = split(term, '/');
+  const std::string_view fmt = parts[0];
+  KVQ_REQUIRE(!fmt.empty(), kParse, "empty format in '", item, "' (expected one of ", kSpecFormats,
+              ")");
+  QuantConfig c;
+  KVQ_REQUIRE(lookup_format(fmt, c), kParse, "unknown format '", fmt, "' in '", item,
+              "' (expected one of ", kSpecFormats, ")");
+  const bool raw = c.is_raw();
+  const bool lm = c.format == Format::kLloydMax;
+  const bool fp8 = c.format == Format::kE4M3 || c.format == Format::kE5M2;
+  std::string_view axis_seen, group_seen;
+  bool rot = false, qjl = false, meta = false;
+  for (std::size_t i = 1; i < parts.size(); ++i) {
+    const std::string_view o = parts[i];
+    KVQ_REQUIRE(!o.empty(), kParse, "empty option after '/' in '", item, "' (expected ",
+                kSpecOptions, ")");
+    Axis axis{};
+    if (lookup_axis(o, axis)) {
+      KVQ_REQUIRE(!raw, kParse, "format '", fmt, "' takes no axis ('", o, "' in '", item,
+                  "'): unquantized formats have no scale groups");
+      KVQ_REQUIRE(!lm, kParse, "format '", fmt, "' takes no axis ('", o, "' in '", item,
+                  "'): Lloyd-Max stores one norm per vector");
+      KVQ_REQUIRE(axis_seen.empty(), kParse, "axis given twice ('", axis_seen, "' and '", o,
+                  "') in '", item, "'");
+      KVQ_REQUIRE(!(fp8 && axis == Axis::kChannel), kParse, "format '", fmt,
+                  "' cannot use axis 'channel' in '", item,
+                  "' (expected token, head or tensor: fp8 scales are per token, head or "
+                  "tensor)");
+      axis_seen = o;
+      c.axis = axis;
+    } else if (o[0] == 'g') {
+      KVQ_REQUIRE(!raw, kParse, "format '", fmt, "' takes no group size ('", o, "' in '", item,
+                  "'): unquantized formats have no scale groups");
+      KVQ_REQUIRE(!lm, kParse, "format '", fmt, "' takes no group size ('", o, "' in '", item,
+                  "'): Lloyd-Max stores one norm per vector");
+      KVQ_REQUIRE(group_seen.empty(), kParse, "group size given twice ('", group_seen, "' and '", o,
+                  "') in '", item, "'");
+      const int64_t g = parse_spec_number(o.substr(1), "the group size g<N>", item);
+      KVQ_REQUIRE(g >= 1, kParse, "group size must be >= 1 in '", o, "' of '", item, "'");
+      group_seen = o;
+      c.group = g;
+    } else if (o == "rot") {
+      KVQ_REQUIRE(lm, kParse, "'rot' in '", item, "': format '", fmt,
+                  "' cannot rotate (rotation comes with the Lloyd-Max formats lm1..lm4)");
+      KVQ_REQUIRE(!rot, kParse, "'rot' given twice in '", item, "'");
+      rot = true;
+    } else if (o == "qjl") {
+      KVQ_REQUIRE(lm, kParse, "'qjl' in '", item, "': format '", fmt,
+                  "' has no QJL residual (only the Lloyd-Max formats lm1..lm4 do)");
+      KVQ_REQUIRE(allow_qjl, kParse, "'qjl' in '", item,
+                  "': QJL is an inner-product estimator for keys; only k= (or k@<layer>=) "
+                  "terms may use it");
+      KVQ_REQUIRE(!qjl, kParse, "'qjl' given twice in '", item, "'");
+      qjl = true;
+      c.qjl = true;
+    } else if (o == "f32meta") {
+      KVQ_REQUIRE(!raw, kParse, "format '", fmt, "' has no metadata ('f32meta' in '", item, "')");
+      KVQ_REQUIRE(!meta, kParse, "'f32meta' given twice in '", item, "'");
+      meta = true;
+      c.meta = MetaDType::kF32;
+    } else {
+      fail(ErrorKind::kParse, "unknown option '", o, "' in '", item, "' (expected ", kSpecOptions,
+           ")");
+    }
+  }
+  return c;
+}
+
+/// Parses the value of skipas=: a term, or a preset whose keys and values are stored alike.
+inline QuantConfig parse_skipas(std::string_view value, std::string_view item);
+
+inline Policy parse_policy_impl(std::string_view spec_in, bool allow_presets) {
+  const std::string_view spec = trim(spec_in);
+  KVQ_REQUIRE(!spec.empty(), kParse,
+              "empty policy spec (expected a preset such as kivi2, or fields k=<fmt>,v=<fmt>; "
+              "presets: ",
+              preset_list(), ")");
+  Policy p;
+  bool have_base = false, k_set = false, v_set = false;
+  std::vector<std::string> seen;
+  std::map<int, std::pair<std::pair<bool, QuantConfig>, std::pair<bool, QuantConfig>>> pending;
+  const std::vector<std::string_view> items = split(spec, ',');
+  for (std::size_t idx = 0; idx < items.size(); ++idx) {
+    const std::string_view item = trim(items[idx]);
+    KVQ_REQUIRE(!item.empty(), kParse, "empty item ", idx + 1, " in '", spec,
+                "' (two commas in a row, or a comma at an end)");
+    const std::size_t eq = item.find('=');
+    if (eq == std::string_view::npos) {
+      const Preset* pr = allow_presets ? find_preset(item) : nullptr;
+      KVQ_REQUIRE(pr != nullptr, kParse, "unknown preset '", item, "' in '", spec,
+                  "' (expected one of ", preset_list(), ", or a field ", kSpecFields,
+                  " followed by '=')");
+      KVQ_REQUIRE(idx == 0, kParse, "preset '", item, "' must be the first item of '", spec,
+                  "' (fields after it override the preset's)");
+      p = parse_policy_impl(pr->spec, false);
+      have_base = true;
+      continue;
+    }
+    const std::string_view name = trim(item.substr(0, eq));
+    const std::string_view value = trim(item.substr(eq + 1));
+    for (const std::string& s : seen)
+      KVQ_REQUIRE(s != name, kParse, "field '", name, "' given twice in '", spec, "'");
+    seen.emplace_back(name);
+    if (name == "k") {
+      p.key = parse_term(value, item, true);
+      k_set = true;
+    } else if (name == "v") {
+      p.value = parse_term(value, item, false);
+      v_set = true;
+    } else if (name == "residual") {
+      p.residual = static_cast<int>(parse_spec_number(value, "residual", item));
+    } else if (name == "sinks") {
+      p.sinks = static_cast<int>(parse_spec_number(value, "sinks", item));
+    } else if (name == "skip") {
+      const std::size_t colon = value.find(':');
+      p.skip_first = static_cast<int>(
+          parse_spec_number(value.substr(0, colon), "the first-layer count of skip", item));
+      p.skip_last = colon == std::string_view::npos
+                        ? p.skip_first
+                        : static_cast<int>(parse_spec_number(value.substr(colon + 1),
+                                                             "the last-layer count of skip", item));
+    } else if (name == "skipas") {
+      p.skip_config = parse_skipas(value, item);
+    } else if (name.size() > 2 && (name[0] == 'k' || name[0] == 'v') && name[1] == '@') {
+      const int layer = static_cast<int>(
+          parse_spec_number(name.substr(2), "the layer index of an override", item));
+      auto& slot = pending[layer];
+      if (name[0] == 'k') {
+        slot.first = {true, parse_term(value, item, true)};
+      } else {
+        slot.second = {true, parse_term(value, item, false)};
+      }
+    } else {
+      fail(ErrorKind::kParse, "unknown field '", name, "' in '", item, "' (expected ", kSpecFields,
+           ")");
+    }
+  }
+  KVQ_REQUIRE(have_base || k_set, kParse, "spec '", spec,
+              "' sets no key format: give k=<fmt> or start from a preset (", preset_list(), ")");
+  KVQ_REQUIRE(have_base || v_set, kParse, "spec '", spec,
+              "' sets no value format: give v=<fmt> or start from a preset (", preset_list(), ")");
+  for (const auto& [layer, kv] : pending) {
+    // A half not given follows the final base config, whatever the field order was.
+    p.overrides[layer] = {kv.first.first ? kv.first.second : p.key,
+                          kv.second.first ? kv.second.second : p.value};
+  }
+  return p;
+}
+
+inline QuantConfig parse_skipas(std::string_view value, std::string_view item) {
+  if (const Preset* pr = find_preset(value)) {
+    const Policy pp = parse_policy_impl(pr->spec, false);
+    KVQ_REQUIRE(same_config(pp.key, pp.value), kParse, "skipas preset '", value, "' in '", item,
+                "' stores keys and values differently; skipas takes one format for both (e.g. "
+                "skipas=fp8 or skipas=e4m3/head)");
+    return pp.key;
+  }
+  return parse_term(value, item, false);
+}
+
+}  // namespace detail
+
+/// Parses one policy spec (see the file comment and docs/policy.md). Errors throw
+/// kvq::Error(kParse) naming the offending token and what was expected there.
+inline Policy parse_policy(std::string_view spec) { return detail::parse_policy_impl(spec, true); }
+
+/// Parses a standalone quantizer term such as "int4/channel/g32" (the k= grammar).
+inline QuantConfig parse_quant_config(std::string_view term) {
+  return detail::parse_term(detail::trim(term), term, true);
+}
+
+/// Parses "spec1;spec2;..." (the tools' --policy SPEC[;SPEC...]): one Policy per spec, in
+/// order. An empty element (";;" or a leading/trailing ';') is an error.
+inline std::vector<Policy> parse_policies(std::string_view specs) {
+  std::vector<Policy> out;
+  const std::vector<std::string_view> parts = detail::split(specs, ';');
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    KVQ_REQUIRE(!detail::trim(parts[i]).empty(), kParse, "empty policy ", i + 1, " in '", specs,
+                "' (policies are separated by single ';')");
+    out.push_back(parse_policy(parts[i]));
+  }
+  return out;
+}
+
+}  // namespace kvq

@@ -1,0 +1,331 @@
+// Tests for attention/attention.hpp and cache/cache_backend.hpp: attention over the quantized
+// cache equals fp32 attention over the dequantized tensors for every policy, with GQA and MQA;
+// the KVBackend adapter drives the real model.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kvq/attention/attention.hpp"
+#include "kvq/cache/cache_backend.hpp"
+#include "kvq/cache/kv_cache.hpp"
+#include "kvq/eval/kv_backend.hpp"
+#include "kvq/eval/llama2c.hpp"
+#include "kvq/policy/spec.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using kvq::ErrorKind;
+using kvq::KVCache;
+using kvq::KVView;
+using kvq::parse_policy;
+using kvq::Policy;
+
+bool supported(const Policy& p, int heads, int head_dim, std::string* why) {
+  try {
+    KVCache c(p, 1, heads, head_dim);
+    return true;
+  } catch (const kvq::Error& e) {
+    if (e.kind() != ErrorKind::kUnsupported) throw;
+    *why = e.what();
+    return false;
+  }
+}
+
+/// Plain fp32 attention over explicit [T, kv_heads, D] tensors (the oracle): float dot
+/// products, max-subtracted softmax in float, float weighted sum.
+std::vector<float> fp32_attention(const std::vector<float>& k, const std::vector<float>& v,
+                                  int64_t T, int kvh, int D, const std::vector<float>& q,
+                                  int64_t nq, int nh, bool causal) {
+  std::vector<float> out(static_cast<std::size_t>(nq * nh * D), 0.f);
+  const int group = nh / kvh;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  std::vector<float> s(static_cast<std::size_t>(T));
+  for (int64_t i = 0; i < nq; ++i)
+    for (int h = 0; h < nh; ++h) {
+      const int64_t n = causal ? T - nq + i + 1 : T;
+      const float* qr = q.data() + (i * nh + h) * D;
+      const int g = h / group;
+      float mx = -INFINITY;
+      for (int64_t t = 0; t < n; ++t) {
+        float dot = 0.f;
+        for (int d = 0; d < D; ++d) dot += qr[d] * k[(t * kvh + g) * D + d];
+        s[t] = dot * scale;
+        mx = std::max(mx, s[t]);
+      }
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) {
+        s[t] = std::exp(s[t] - mx);
+        sum += s[t];
+      }
+      float* o = out.data() + (i * nh + h) * D;
+      for (int64_t t = 0; t < n; ++t)
+        for (int d = 0; d < D; ++d) o[d] += s[t] / sum * v[(t * kvh + g) * D + d];
+    }
+  return out;
+}
+
+/// max over rows of max|a - b| / max|b| within the row.
+double max_rel_row_error(const std::vector<float>& a, const std::vector<float>& b, int D) {
+  double worst = 0;
+  for (std::size_t r = 0; r + D <= b.size(); r += D) {
+    double mx = 1e-30, err = 0;
+    for (int d = 0; d < D; ++d) {
+      mx = std::max(mx, std::fabs(static_cast<double>(b[r + d])));
+      err = std::max(err, std::fabs(static_cast<double>(a[r + d]) - b[r + d]));
+    }
+    worst = std::max(worst, err / mx);
+  }
+  return worst;
+}
+
+struct AttnCase {
+  const char* spec;
+  int kv_heads;
+  int group;  // query heads per kv head
+};
+
+class AttentionOverCache : public ::testing::TestWithParam<AttnCase> {};
+
+TEST_P(AttentionOverCache, EqualsFp32AttentionOverTheDequantizedTensors) {
+  const AttnCase pc = GetParam();
+  const Policy p = parse_policy(pc.spec);
+  const int H = pc.kv_heads, nh = H * pc.group, D = 64;
+  std::string why;
+  if (!supported(p, H, D, &why)) GTEST_SKIP() << "not yet: " << why;
+  const int64_t T = 173;
+  const auto kd = kvq_test::kv_data({T, H, D}, 1, true);
+  const auto vd = kvq_test::kv_data({T, H, D}, 2, false);
+  KVCache c(p, 2, H, D);
+  c.append(1, KVView<const float>::nhd(kd.data(), 100, H, D),
+           KVView<const float>::nhd(vd.data(), 100, H, D));
+  for (int64_t t = 100; t < T; ++t)
+    c.append(1, KVView<const float>::nhd(kd.data() + t * H * D, 1, H, D),
+             KVView<const float>::nhd(vd.data() + t * H * D, 1, H, D));
+  std::vector<float> k(kd.size()), v(vd.size());
+  c.read(1, 0, T, KVView<float>::nhd(k.data(), T, H, D), KVView<float>::nhd(v.data(), T, H, D));
+
+  kvq::AttentionWorkspace ws;
+  for (int64_t nq : {1, 7, 40}) {
+    for (bool causal : {true, false}) {
+      const auto q = kvq_test::kv_data({nq, nh, D}, 3 + static_cast<uint32_t>(nq), false);
+      std::vector<float> out(q.size());
+      kvq::attend(c, 1, KVView<const float>::nhd(q.data(), nq, nh, D),
+                  KVView<float>::nhd(out.data(), nq, nh, D), causal, ws);
+      const auto ref = fp32_attention(k, v, T, H, D, q, nq, nh, causal);
+      EXPECT_LE(max_rel_row_error(out, ref, D), 1e-5) << "n_q " << nq << " causal " << causal;
+    }
+  }
+  // Single-query decode entry point = the n_q = 1 causal case.
+  const auto q1 = kvq_test::kv_data({1, nh, D}, 99, false);
+  std::vector<float> o1(q1.size()), o2(q1.size());
+  kvq::attend_one(c, 1, q1.data(), nh, o1.data(), ws);
+  kvq::attend(c, 1, KVView<const float>::nhd(q1.data(), 1, nh, D),
+              KVView<float>::nhd(o2.data(), 1, nh, D));
+  EXPECT_EQ(o1, o2);
+  // Strided (HND) queries and outputs give the same numbers.
+  const int64_t nq = 5;
+  const auto q = kvq_test::kv_data({nq, nh, D}, 7, false);
+  std::vector<float> qt(q.size()), ot(q.size()), on(q.size());
+  for (int64_t i = 0; i < nq; ++i)
+    for (int h = 0; h < nh; ++h)
+      for (int d = 0; d < D; ++d) qt[(h * nq + i) * D + d] = q[(i * nh + h) * D + d];
+  kvq::attend(c, 1, KVView<const float>::hnd(qt.data(), nh, nq, D),
+              KVView<float>::hnd(ot.data(), nh, nq, D));
+  kvq::attend(c, 1, KVView<const float>::nhd(q.data(), nq, nh, D),
+              KVView<float>::nhd(on.data(), nq, nh, D));
+  for (int64_t i = 0; i < nq; ++i)
+    for (int h = 0; h < nh; ++h)
+      for (int d = 0; d < D; ++d) ASSERT_EQ(ot[(h * nq + i) * D + d], on[(i * nh + h) * D + d]);
+}
+
+std::vector<AttnCase> attention_cases() {
+  std::vector<AttnCase> out;
+  for (const kvq::Preset& p : kvq::policy_presets()) {
+    out.push_back({p.name, 2, 2});  // GQA, 2 query heads per kv head
+    out.push_back({p.name, 2, 4});  // GQA, 4 per kv head
+    out.push_back({p.name, 1, 8});  // MQA
+  }
+  out.push_back({"kivi2,sinks=4,residual=16", 4, 1});  // MHA with sinks
+  out.push_back({"kivi4,skip=1,sinks=3", 2, 3});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, AttentionOverCache, ::testing::ValuesIn(attention_cases()),
+                         [](const auto& info) { return "case" + std::to_string(info.index); });
+
+TEST(Attention, F32PolicyIsExactAttentionAndGeometryMatters) {
+  const int H = 2, nh = 4, D = 32;
+  const int64_t T = 300;
+  const auto kd = kvq_test::kv_data({T, H, D}, 11, true);  // key outlier channels
+  const auto vd = kvq_test::kv_data({T, H, D}, 12, false);
+  const auto q = kvq_test::kv_data({1, nh, D}, 13, false);
+  const auto ref = fp32_attention(kd, vd, T, H, D, q, 1, nh, true);
+  auto run = [&](const char* spec) {
+    KVCache c(parse_policy(spec), 1, H, D);
+    c.append(0, KVView<const float>::nhd(kd.data(), T, H, D),
+             KVView<const float>::nhd(vd.data(), T, H, D));
+    std::vector<float> out(q.size());
+    kvq::attend(c, 0, KVView<const float>::nhd(q.data(), 1, nh, D),
+                KVView<float>::nhd(out.data(), 1, nh, D));
+    return std::sqrt(kvq_test::rel_mse(ref, out));
+  };
+  EXPECT_LE(run("f32"), 1e-6);
+  const double kivi2 = run("kivi2,residual=0"), flip = run("kivi2-flip,residual=0");
+  const double kivi4 = run("kivi4,residual=0"), flip4 = run("kivi4-flip,residual=0");
+  std::printf(
+      "  attention output rel error: kivi4 %.4f, kivi4-flip %.4f, kivi2 %.4f, "
+      "kivi2-flip %.4f\n",
+      kivi4, flip4, kivi2, flip);
+  EXPECT_LT(kivi4, kivi2);
+  // Per-channel keys beat per-token keys when keys have outlier channels.
+  EXPECT_LT(kivi2, flip);
+  EXPECT_LT(kivi4, flip4);
+}
+
+TEST(Attention, BadArgumentsThrowAndWriteNothing) {
+  const int H = 2, D = 16;
+  KVCache c(parse_policy("kivi4"), 2, H, D);
+  const auto kd = kvq_test::kv_data({10, H, D}, 1, false);
+  c.append(0, KVView<const float>::nhd(kd.data(), 10, H, D),
+           KVView<const float>::nhd(kd.data(), 10, H, D));
+  std::vector<float> q(20 * 4 * D, 0.1f), out(q.size(), 42.f);
+  auto expect_error = [&](ErrorKind kind, const std::string& needle, auto&& f) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected " << needle;
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.kind(), kind) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    for (float x : out) ASSERT_EQ(x, 42.f);
+  };
+  expect_error(ErrorKind::kShapeMismatch, "queries have head_dim 8", [&] {
+    kvq::attend(c, 0, KVView<const float>::nhd(q.data(), 1, 4, 8),
+                KVView<float>::nhd(out.data(), 1, 4, 8));
+  });
+  expect_error(ErrorKind::kShapeMismatch, "n_heads=3 is not a positive multiple", [&] {
+    kvq::attend(c, 0, KVView<const float>::nhd(q.data(), 1, 3, D),
+                KVView<float>::nhd(out.data(), 1, 3, D));
+  });
+  expect_error(ErrorKind::kShapeMismatch, "does not match the queries", [&] {
+    kvq::attend(c, 0, KVView<const float>::nhd(q.data(), 1, 4, D),
+                KVView<float>::nhd(out.data(), 2, 4, D));
+  });
+  expect_error(ErrorKind::kInvalidArgument, "layer 1 holds no tokens", [&] {
+    kvq::attend(c, 1, KVView<const float>::nhd(q.data(), 1, 4, D),
+                KVView<float>::nhd(out.data(), 1, 4, D));
+  });
+  expect_error(ErrorKind::kInvalidArgument, "11 causal queries", [&] {
+    kvq::attend(c, 0, KVView<const float>::nhd(q.data(), 11, 4, D),
+                KVView<float>::nhd(out.data(), 11, 4, D));
+  });
+  expect_error(ErrorKind::kInvalidArgument, "layer 2 does not exist", [&] {
+    kvq::attend(c, 2, KVView<const float>::nhd(q.data(), 1, 4, D),
+                KVView<float>::nhd(out.data(), 1, 4, D));
+  });
+  q[5] = NAN;
+  expect_error(ErrorKind::kNonFinite, "attend: query: element (token=0, head=0, channel=5)", [&] {
+    kvq::attend(c, 0, KVView<const float>::nhd(q.data(), 1, 4, D),
+                KVView<float>::nhd(out.data(), 1, 4, D));
+  });
+  // 11 non-causal queries over 10 tokens are fine.
+  q[5] = 0.1f;
+  std::vector<float> o(11 * 4 * D);
+  kvq::attend(c, 0, KVView<const float>::nhd(q.data(), 11, 4, D),
+              KVView<float>::nhd(o.data(), 11, 4, D), false);
+}
+
+// The KVBackend adapter against the evaluator's fp32 reference backend, on synthetic rows.
+TEST(CacheBackend, MatchesFp32BackendUnderF32AndStaysCloseUnderKivi4) {
+  const kvq::eval::KVGeometry g{2, 2, 16, 64};
+  const int nh = 4;
+  kvq::eval::Fp32Backend ref(g);
+  kvq::CacheBackend f32(parse_policy("f32"), g), k4(parse_policy("kivi4,residual=8"), g);
+  double worst_f32 = 0, worst_k4 = 0;
+  for (int seq = 0; seq < 2; ++seq) {
+    ref.reset();
+    f32.reset();
+    k4.reset();
+    for (int pos = 0; pos < 60; ++pos)
+      for (int l = 0; l < g.n_layers; ++l) {
+        const auto k =
+            kvq_test::kv_data({1, g.n_kv_heads, g.head_dim}, 1000 * seq + 10 * pos + l, true);
+        const auto v =
+            kvq_test::kv_data({1, g.n_kv_heads, g.head_dim}, 5000 * seq + 10 * pos + l, false);
+        const auto q = kvq_test::kv_data({1, nh, g.head_dim}, 9000 * seq + 10 * pos + l, false);
+        std::vector<float> a(q.size()), b(q.size()), c(q.size());
+        for (kvq::eval::KVBackend* be :
+             {static_cast<kvq::eval::KVBackend*>(&ref), static_cast<kvq::eval::KVBackend*>(&f32),
+              static_cast<kvq::eval::KVBackend*>(&k4)})
+          be->append(l, pos, k.data(), k.data(), v.data());
+        ref.attend(l, pos, q.data(), nh, a.data());
+        f32.attend(l, pos, q.data(), nh, b.data());
+        k4.attend(l, pos, q.data(), nh, c.data());
+        worst_f32 = std::max(worst_f32, max_rel_row_error(b, a, g.head_dim));
+        worst_k4 = std::max(worst_k4, std::sqrt(kvq_test::rel_mse(a, c)));
+      }
+    EXPECT_EQ(k4.cache().tokens(0), 60);
+  }
+  EXPECT_LE(worst_f32, 1e-5);
+  EXPECT_LE(worst_k4, 0.3);  // measured 0.21: outlier keys make the softmax peaky
+  std::vector<float> row(64, 0.f);
+  EXPECT_THROW(f32.append(0, 5, row.data(), row.data(), row.data()), kvq::Error);
+  EXPECT_THROW(f32.attend(0, 3, row.data(), nh, row.data()), kvq::Error);
+}
+
+#ifdef KVQ_SHARED_DIR
+/// Perplexity of stories260K over the first `lines` lines of tinystories-dev.txt (BOS prepended,
+/// at most 512 tokens per line, every next-token prediction counted).
+double perplexity(kvq::eval::Llama2cModel& model, const kvq::eval::Tokenizer& tok,
+                  kvq::eval::KVBackend& kv, int lines) {
+  std::ifstream in(std::string(KVQ_SHARED_DIR) + "/data/stories260K/tinystories-dev.txt");
+  std::string line;
+  double nll = 0;
+  int64_t count = 0;
+  std::vector<double> lp;
+  for (int i = 0; i < lines && std::getline(in, line); ++i) {
+    std::vector<int> ids = tok.encode(line, true);
+    if (ids.size() > 512) ids.resize(512);
+    kv.reset();
+    for (std::size_t pos = 0; pos + 1 < ids.size(); ++pos) {
+      const std::vector<float> logits = model.forward(ids[pos], static_cast<int>(pos), kv);
+      double mx = logits[0];
+      for (float x : logits) mx = std::max<double>(mx, x);
+      double z = 0;
+      for (float x : logits) z += std::exp(x - mx);
+      nll -= logits[static_cast<std::size_t>(ids[pos + 1])] - mx - std::log(z);
+      ++count;
+    }
+  }
+  return std::exp(nll / static_cast<double>(count));
+}
+
+TEST(CacheBackend, RealModelPerplexityUnderPolicies) {
+  const std::string dir = std::string(KVQ_SHARED_DIR) + "/data/stories260K/";
+  if (!std::ifstream(dir + "stories260K.bin").good()) GTEST_SKIP() << "no model at " << dir;
+  kvq::eval::Llama2cModel model(dir + "stories260K.bin");
+  const kvq::eval::Tokenizer tok(dir + "tok512.bin", model.config().vocab_size);
+  const kvq::eval::KVGeometry g = model.kv_geometry();
+  const int lines = 1;  // 410 tokens: seconds even on a loaded machine
+  kvq::eval::Fp32Backend ref(g);
+  const double base = perplexity(model, tok, ref, lines);
+  auto ppl = [&](const char* spec) {
+    kvq::CacheBackend be(parse_policy(spec), g);
+    const double p = perplexity(model, tok, be, lines);
+    std::printf("  stories260K, %d lines: %-22s perplexity %.4f (fp32 %.4f)\n", lines, spec, p,
+                base);
+    return p;
+  };
+  EXPECT_NEAR(ppl("f32"), base, 1e-4 * base);
+  EXPECT_LT(ppl("kivi4") / base, 1.01);
+  const double k2 = ppl("kivi2,residual=0"), flip = ppl("kivi2-flip,residual=0");
+  EXPECT_LT(k2, flip);
+}
+#endif
+
+}  // namespace
