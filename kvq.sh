@@ -57,7 +57,7 @@ case "$cmd" in
     (cd "$build" && ctest --output-on-failure -j "$jobs")
     if [ "${KVQ_SKIP_SANITIZE:-0}" != "1" ]; then
       echo "kvq: sanitizer pass (ASan + UBSan, portable scalar paths)" >&2
-      configure_build "${build}-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVQ_SANITIZE=ON \
+      configure_build "${build}-asan" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" -DKVQ_SANITIZE=ON \
         -DKVQ_NATIVE=OFF -DKVQ_BUILD_BENCH=OFF -DKVQ_CUDA=OFF
       (cd "${build}-asan" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
         UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

@@ -269,7 +269,8 @@ TEST(Fwht, MatchesExplicitHadamardMatrix) {
 }
 
 TEST(Fwht, KernelVariantsMatchScalarBitForBit) {
-  // Every pre/post combination of the dispatching kernel against the scalar kernel.
+  // Every pre/post combination, in place and out of place, of the dispatching kernel against
+  // the scalar kernel.
   for (int n : kPow2Dims) {
     const std::vector<float> x = gaussian_vector(n, 300 + n);
     std::vector<float> pre(n), post(n);
@@ -278,13 +279,19 @@ TEST(Fwht, KernelVariantsMatchScalarBitForBit) {
       pre[i] = g.sign();
       post[i] = g.sign() * 0.125f * (1 + i % 3);
     }
-    for (int variant = 0; variant < 4; ++variant) {
+    for (int variant = 0; variant < 8; ++variant) {
       const float* pp = (variant & 1) ? pre.data() : nullptr;
       const float* po = (variant & 2) ? post.data() : nullptr;
+      const bool out_of_place = (variant & 4) != 0;
       std::vector<float> a = x, b = x;
-      kvq::detail::fwht_kernel(a.data(), n, pp, po, 0.37f);
-      kvq::detail::fwht_scalar(b.data(), n, pp, po, 0.37f);
-      EXPECT_TRUE(bit_equal(a, b)) << "n=" << n << " variant=" << variant;
+      std::vector<float> oa(n, -1.f), ob(n, -2.f);
+      float* da = out_of_place ? oa.data() : a.data();
+      float* db = out_of_place ? ob.data() : b.data();
+      kvq::detail::fwht_kernel(a.data(), da, n, pp, po, 0.37f);
+      kvq::detail::fwht_scalar(b.data(), db, n, pp, po, 0.37f);
+      EXPECT_TRUE(bit_equal(out_of_place ? oa : a, out_of_place ? ob : b))
+          << "n=" << n << " variant=" << variant;
+      EXPECT_TRUE(bit_equal(a, x) || !out_of_place) << "input changed, n=" << n;
     }
   }
 }
