@@ -51,23 +51,22 @@ struct Fp8Entry {
   uint8_t code;  // magnitude code; the virtual overflow entry has max code + 1
 };
 
-/// Finite non-negative magnitudes in increasing order, plus the virtual overflow entry.
+/// Finite non-negative magnitudes (codes 0..last_finite) in increasing order, plus the virtual
+/// overflow entry.
+inline std::vector<Fp8Entry> fp8_make_table(fp8::Fp8Kind kind, int last_finite, double overflow) {
+  std::vector<Fp8Entry> t;
+  for (int c = 0; c <= last_finite; ++c) {
+    const uint8_t code = static_cast<uint8_t>(c);
+    t.push_back({fp8_value(kind, code), code});
+  }
+  t.push_back({overflow, static_cast<uint8_t>(last_finite + 1)});
+  return t;
+}
+
 inline const std::vector<Fp8Entry>& fp8_table(fp8::Fp8Kind kind) {
-  static const std::vector<Fp8Entry> tables[2] = {
-      [] {
-        std::vector<Fp8Entry> t;
-        for (int c = 0; c < 0x7f; ++c) t.push_back({fp8_value(fp8::Fp8Kind::kE4M3, c), uint8_t(c)});
-        t.push_back({480.0, 0x7f});
-        return t;
-      }(),
-      [] {
-        std::vector<Fp8Entry> t;
-        for (int c = 0; c < 0x7c; ++c) t.push_back({fp8_value(fp8::Fp8Kind::kE5M2, c), uint8_t(c)});
-        t.push_back({65536.0, 0x7c});
-        return t;
-      }(),
-  };
-  return tables[kind == fp8::Fp8Kind::kE4M3 ? 0 : 1];
+  static const std::vector<Fp8Entry> e4m3 = fp8_make_table(fp8::Fp8Kind::kE4M3, 0x7e, 480.0);
+  static const std::vector<Fp8Entry> e5m2 = fp8_make_table(fp8::Fp8Kind::kE5M2, 0x7b, 65536.0);
+  return kind == fp8::Fp8Kind::kE4M3 ? e4m3 : e5m2;
 }
 }  // namespace detail
 
