@@ -570,6 +570,35 @@ TEST(Fp8Bulk, DecodeEveryLengthWithScalesMatchesScalar) {
   }
 }
 
+/// Outputs of 4 MiB and more take the streaming-store path (64-byte-aligned body after a scalar
+/// head, prefetching); misaligned destinations exercise the head.
+TEST(Fp8Bulk, LargeSpansMatchScalar) {
+  const size_t n = (size_t{1} << 22) + 37;  // 4 Mi codes, 16 MiB of float out
+  const std::vector<float> x = random_kv(n + 8, 5);
+  std::vector<f16> h(n + 8);
+  for (size_t i = 0; i < h.size(); ++i) h[i] = f16(x[i]);
+  std::vector<uint8_t> codes(n + 8), codes16(n + 8);
+  std::vector<float> back(n + 8);
+  std::vector<f16> back16(n + 8);
+  for (Fp8Kind k : kKinds) {
+    for (size_t off : {size_t{0}, size_t{5}}) {
+      const float inv = 0.37f, s = 2.7f;
+      kvq::fp8::encode(k, x.data() + off, codes.data() + off, n, inv);
+      kvq::fp8::encode(k, h.data() + off, codes16.data() + off, n, inv, false);
+      kvq::fp8::decode(k, codes.data() + off, back.data() + off, n, s);
+      kvq::fp8::decode(k, codes.data() + off, back16.data() + off, n, s);
+      for (size_t i = off; i < off + n; ++i) {
+        ASSERT_EQ(codes[i], kvq::fp8::encode(k, x[i] * inv, true)) << "i=" << i;
+        const float hf = kvq::half_bits_to_float(h[i].bits);
+        ASSERT_EQ(codes16[i], kvq::fp8::encode(k, hf * inv, false)) << "i=" << i;
+        const float want = kvq::fp8::decode(k, codes[i]) * s;
+        ASSERT_EQ(bits(back[i]), bits(want)) << "i=" << i;
+        ASSERT_EQ(back16[i].bits, kvq::float_to_half_bits(want)) << "i=" << i;
+      }
+    }
+  }
+}
+
 TEST(Fp8Bulk, RoundTripWithComputedScaleStaysWithinHalfStep) {
   const std::vector<float> x = random_kv(4096, 3);
   float amax = 0.f;

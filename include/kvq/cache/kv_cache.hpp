@@ -13,10 +13,11 @@
 /// Lloyd-Max and raw formats; G for the channel, head and tensor axes (kStreamGroupTokens = 32
 /// when the config says group 0, "all tokens", which a stream cannot wait for). Then
 ///   B = lcm(Gt(key), Gt(value)) rounded up to a multiple >= kMinBlockTokens (16).
-/// The floor of 16 tokens keeps per-block bookkeeping (a QTensor header and its allocations,
-/// Lloyd-Max's 8-byte seed) small next to the data: with one-token blocks a 4-bit Lloyd-Max
-/// block of 8 x 128 values would carry ~45% bookkeeping. Per-token groups quantize each token on
-/// its own, so the larger block changes no stored value, only how long a token stays f32.
+/// The floor of 16 tokens keeps per-block bookkeeping (a 288-byte QTensor header plus its heap
+/// allocations, Lloyd-Max's 8-byte seed) small next to the data: one-token blocks of 4-bit
+/// Lloyd-Max with 8 x 128 values (536 bytes of data) would carry ~60% bookkeeping. Per-token groups
+/// quantize each token on its own, so the larger block changes no stored value, only how long a
+/// token stays f32.
 ///
 /// Flush rule (KIVI). After every append, while r >= R + B (R = policy.residual), the oldest B
 /// residual tokens are quantized into one block. Hence, once a layer holds at least R tokens

@@ -49,6 +49,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -378,6 +379,42 @@ inline void fwht_kernel(const float* in, float* x, int n, const float* pre, cons
   fwht_scalar(in, x, n, pre, post, scale);
 }
 
+/// fwht_kernel on each of the dim / block consecutive blocks (pre/post indexed over all dim).
+/// One dispatch for all blocks, so the small blocks of the two-stage scheme (16 floats at
+/// d = 80) do not pay a call and a switch each.
+inline void fwht_blocks(const float* in, float* x, int dim, int block, const float* pre,
+                        const float* post, float scale) {
+#if KVQ_HAS_AVX512
+  auto run = [&](auto regs) {
+    constexpr int kRegs = decltype(regs)::value;
+    for (int o = 0; o < dim; o += 16 * kRegs) {
+      if (pre) {
+        if (post) {
+          fwht_regs_avx512<kRegs, true, 2>(in + o, x + o, pre + o, post + o, scale);
+        } else {
+          fwht_regs_avx512<kRegs, true, 1>(in + o, x + o, pre + o, nullptr, scale);
+        }
+      } else if (post) {
+        fwht_regs_avx512<kRegs, false, 2>(in + o, x + o, nullptr, post + o, scale);
+      } else {
+        fwht_regs_avx512<kRegs, false, 1>(in + o, x + o, nullptr, nullptr, scale);
+      }
+    }
+  };
+  switch (block) {
+    case 16: return run(std::integral_constant<int, 1>());
+    case 32: return run(std::integral_constant<int, 2>());
+    case 64: return run(std::integral_constant<int, 4>());
+    case 128: return run(std::integral_constant<int, 8>());
+    case 256: return run(std::integral_constant<int, 16>());
+    default: break;
+  }
+#endif
+  for (int o = 0; o < dim; o += block) {
+    fwht_kernel(in + o, x + o, block, pre ? pre + o : nullptr, post ? post + o : nullptr, scale);
+  }
+}
+
 /// y[i] = x[idx[i]] for i < n (the permutation step of the two-stage scheme). Vector gathers
 /// instead of scalar loads also avoid store-forwarding stalls on the just-written vectors.
 inline void gather(const float* x, const int32_t* idx, float* y, int n) {
@@ -601,13 +638,9 @@ class Rotation {
       heap.resize(dim_);
       t = heap.data();
     }
-    for (int o = 0; o < dim_; o += block_) {
-      detail::fwht_kernel(x + o, t + o, block_, sign1_.data() + o, nullptr, scale_);
-    }
+    detail::fwht_blocks(x, t, dim_, block_, sign1_.data(), nullptr, scale_);
     detail::gather(t, perm_.data(), x, dim_);
-    for (int o = 0; o < dim_; o += block_) {
-      detail::fwht_kernel(x + o, x + o, block_, sign2_.data() + o, nullptr, scale_);
-    }
+    detail::fwht_blocks(x, x, dim_, block_, sign2_.data(), nullptr, scale_);
   }
 
   void hadamard_inverse(float* x) const {
@@ -619,13 +652,9 @@ class Rotation {
       heap.resize(dim_);
       t = heap.data();
     }
-    for (int o = 0; o < dim_; o += block_) {
-      detail::fwht_kernel(x + o, t + o, block_, nullptr, post2_.data() + o, 0.0f);
-    }
+    detail::fwht_blocks(x, t, dim_, block_, nullptr, post2_.data(), 0.0f);
     detail::gather(t, inv_perm_.data(), x, dim_);
-    for (int o = 0; o < dim_; o += block_) {
-      detail::fwht_kernel(x + o, x + o, block_, nullptr, post1_.data() + o, 0.0f);
-    }
+    detail::fwht_blocks(x, x, dim_, block_, nullptr, post1_.data(), 0.0f);
   }
 
   void dense_apply(float* x, int64_t n, bool inverse) const {
