@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "kvq/geometry/dense_rotation.hpp"
 #include "kvq/geometry/rotation.hpp"
 
 namespace {
@@ -53,7 +54,7 @@ BENCHMARK(BM_HadamardRotation)->Arg(64)->Arg(80)->Arg(96)->Arg(128)->Arg(192)->A
 void BM_DenseRotation(benchmark::State& state) {
   const int d = static_cast<int>(state.range(0));
   const int64_t n = kBatchFloats / d;
-  const kvq::Rotation r = kvq::Rotation::dense(d, 1);
+  const kvq::Rotation r = kvq::dense_rotation(d, 1);
   std::vector<float> x = batch_input(d);
   for (auto _ : state) {
     r.apply_batch(x.data(), n);

@@ -1,13 +1,30 @@
 #pragma once
 /// \file kvq.hpp
-/// Umbrella header: everything a consumer needs.
+/// Umbrella header: every public kvq header. Engines that care about compile time include the
+/// layers they use instead (kvq/cache/kv_cache.hpp pulls in everything the cache needs; only
+/// kvq/geometry/dense_rotation.hpp includes Eigen).
 #include "kvq/config.hpp"
 #include "kvq/core/bitpack.hpp"
 #include "kvq/core/error.hpp"
 #include "kvq/core/half.hpp"
 #include "kvq/core/tensor.hpp"
+#include "kvq/format/codebook.hpp"
+#include "kvq/format/fp8.hpp"
 #include "kvq/format/uniform.hpp"
+#include "kvq/geometry/dense_rotation.hpp"
 #include "kvq/geometry/grouping.hpp"
+#include "kvq/geometry/rotation.hpp"
 #include "kvq/quant/qtensor.hpp"
 #include "kvq/quant/quantize.hpp"
 #include "kvq/accounting/accountant.hpp"
+#include "kvq/policy/policy.hpp"
+#include "kvq/policy/spec.hpp"
+#include "kvq/cache/kv_cache.hpp"
+#include "kvq/cache/cache_backend.hpp"
+#include "kvq/attention/attention.hpp"
+#include "kvq/io/kv_dump.hpp"
+#include "kvq/io/npy.hpp"
+#include "kvq/io/safetensors.hpp"
+#include "kvq/eval/metrics.hpp"
+#include "kvq/eval/synthetic.hpp"
+#include "kvq/eval/llama2c.hpp"

@@ -24,6 +24,21 @@ int main() {
   const double bits = kvq::effective_bits(cfg, shape);
   std::printf("kvq %s consumer: max abs err %.4f, %.3f bits/value\n", KVQ_VERSION_STRING, err,
               bits);
-  return (err < 0.2 && bits == 4.5 && q.bytes() == kvq::account(cfg, shape).total()) ? 0
-                                                                                          : 1;
+  // Engine-style: a k8v4 cache for 2 layers, one prefill chunk, read back.
+  kvq::KVCache cache(kvq::parse_policy("k8v4,residual=0"), 2, 2, 32);
+  const kvq::KVView<const float> kv(x.data(), shape);
+  for (int l = 0; l < 2; ++l) cache.append(l, kv, kv);
+  std::vector<float> kd(x.size()), vd(x.size());
+  cache.read(1, 0, shape.tokens, kvq::KVView<float>(kd.data(), shape),
+             kvq::KVView<float>(vd.data(), shape));
+  double cache_err = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    cache_err = std::fmax(cache_err, std::fabs(x[i] - kd[i]) + std::fabs(x[i] - vd[i]));
+  }
+  std::printf("k8v4 cache: %zu bytes, max abs err %.4f\n", cache.memory_report().total(),
+              cache_err);
+  return (err < 0.2 && bits == 4.5 && q.bytes() == kvq::account(cfg, shape).total() &&
+          cache_err < 0.3 && cache.memory_report().total() < x.size() * 2 * sizeof(float))
+             ? 0
+             : 1;
 }

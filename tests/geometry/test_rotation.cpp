@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kvq/format/codebook.hpp"
+#include "kvq/geometry/dense_rotation.hpp"
 #include "kvq/geometry/rotation.hpp"
 #include "kvq/reference/rotation_ref.hpp"
 
@@ -42,7 +43,7 @@ float max_abs(const std::vector<float>& v) {
 
 std::string what_of(RotationKind kind, int dim) {
   try {
-    Rotation r(kind, dim, 1);
+    Rotation r = kvq::make_rotation(kind, dim, 1);
   } catch (const kvq::Error& e) {
     return std::string(to_string(e.kind())) + " | " + e.what();
   }
@@ -94,7 +95,7 @@ TEST(Rotation, UnsupportedDimsThrowWithMessage) {
   for (int d : {0, -4}) {
     for (RotationKind k : {RotationKind::kHadamard, RotationKind::kDense}) {
       try {
-        Rotation r(k, d, 1);
+        Rotation r = kvq::make_rotation(k, d, 1);
         ADD_FAILURE() << "no throw for dim " << d;
       } catch (const kvq::Error& e) {
         EXPECT_EQ(e.kind(), kvq::ErrorKind::kInvalidArgument);
@@ -112,7 +113,7 @@ TEST(Rotation, UnsupportedDimsThrowWithMessage) {
       EXPECT_EQ(e.kind(), kvq::ErrorKind::kUnsupported);
       const std::string msg = e.what();
       EXPECT_NE(msg.find("head_dim " + std::to_string(d)), std::string::npos) << msg;
-      EXPECT_NE(msg.find("kDense"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("dense_rotation"), std::string::npos) << msg;
     }
   }
   EXPECT_NE(what_of(RotationKind::kHadamard, 72).find("9 x 8"), std::string::npos);
@@ -120,6 +121,14 @@ TEST(Rotation, UnsupportedDimsThrowWithMessage) {
   for (int d : {1, 7, 72, 100}) EXPECT_EQ(what_of(RotationKind::kDense, d), "no error") << d;
   EXPECT_NE(what_of(RotationKind::kDense, Rotation::kMaxDenseDim + 1).find("unsupported"),
             std::string::npos);
+  // The Hadamard-only constructor points dense users to dense_rotation.hpp.
+  try {
+    Rotation r(RotationKind::kDense, 16, 1);
+    ADD_FAILURE() << "no throw for a dense Rotation(kind, dim, seed)";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.kind(), kvq::ErrorKind::kUnsupported);
+    EXPECT_NE(std::string(e.what()).find("dense_rotation.hpp"), std::string::npos) << e.what();
+  }
   // fwht itself wants a power of two.
   std::vector<float> x(12, 1.f);
   EXPECT_THROW(kvq::fwht(x.data(), 12), kvq::Error);
@@ -161,14 +170,14 @@ TEST(Rotation, HadamardIsOrthonormal) {
 }
 
 TEST(Rotation, DenseIsOrthonormal) {
-  for (int d : {1, 16, 80, 96, 128, 192, 256}) expect_orthonormal(Rotation::dense(d, 3));
+  for (int d : {1, 16, 80, 96, 128, 192, 256}) expect_orthonormal(kvq::dense_rotation(d, 3));
 }
 
 TEST(Rotation, InverseUndoesApply) {
   for (RotationKind kind : {RotationKind::kHadamard, RotationKind::kDense}) {
     for (int d : {16, 64, 80, 96, 128, 192, 256, 512, 1024}) {
       if (kind == RotationKind::kDense && d > 256) continue;  // O(d^3) setup; Hadamard covers it
-      const Rotation r(kind, d, 11);
+      const Rotation r = kvq::make_rotation(kind, d, 11);
       const std::vector<float> x = gaussian_vector(d, 5);
       std::vector<float> y = x;
       r.apply(y.data());
@@ -188,12 +197,12 @@ TEST(Rotation, DeterministicForSeedAndDifferentAcrossSeeds) {
     for (int d : {64, 80, 128}) {
       const std::vector<float> x = gaussian_vector(d, 8);
       std::vector<float> a = x, b = x, c = x;
-      Rotation(kind, d, 1234).apply(a.data());
-      Rotation(kind, d, 1234).apply(b.data());
-      Rotation(kind, d, 1235).apply(c.data());
+      kvq::make_rotation(kind, d, 1234).apply(a.data());
+      kvq::make_rotation(kind, d, 1234).apply(b.data());
+      kvq::make_rotation(kind, d, 1235).apply(c.data());
       EXPECT_TRUE(bit_equal(a, b)) << to_string(kind) << " d=" << d;
       EXPECT_FALSE(bit_equal(a, c)) << to_string(kind) << " d=" << d;
-      const Rotation r(kind, d, 77);
+      const Rotation r = kvq::make_rotation(kind, d, 77);
       EXPECT_EQ(r.seed(), 77u);
       EXPECT_EQ(r.dim(), d);
       EXPECT_EQ(r.kind(), kind);
@@ -316,7 +325,7 @@ TEST(Rotation, HadamardMatchesReferenceBitForBit) {
 
 TEST(Rotation, DenseMatchesReference) {
   for (int d : {7, 64, 80, 128}) {
-    const Rotation r = Rotation::dense(d, 42);
+    const Rotation r = kvq::dense_rotation(d, 42);
     const std::vector<float> x = gaussian_vector(d, 500 + d);
     for (bool inverse : {false, true}) {
       std::vector<float> y = x;
@@ -332,7 +341,7 @@ TEST(Rotation, BatchMatchesSingle) {
   const int n = 37;
   for (RotationKind kind : {RotationKind::kHadamard, RotationKind::kDense}) {
     for (int d : {64, 80, 128, 192}) {
-      const Rotation r(kind, d, 9);
+      const Rotation r = kvq::make_rotation(kind, d, 9);
       const std::vector<float> x = gaussian_vector(n * d, 600 + d);  // [n, d]
       for (bool inverse : {false, true}) {
         std::vector<float> batch = x, single = x;
@@ -340,11 +349,7 @@ TEST(Rotation, BatchMatchesSingle) {
         for (int v = 0; v < n; ++v) {
           inverse ? r.apply_inverse(single.data() + v * d) : r.apply(single.data() + v * d);
         }
-        if (kind == RotationKind::kHadamard) {
-          EXPECT_TRUE(bit_equal(batch, single)) << d;
-        } else {  // Eigen may pick GEMM for the batch and GEMV for one vector
-          for (size_t i = 0; i < x.size(); ++i) ASSERT_NEAR(batch[i], single[i], 2e-6) << d;
-        }
+        EXPECT_TRUE(bit_equal(batch, single)) << to_string(kind) << " " << d;
       }
       std::vector<float> batch = x;
       r.apply_batch(batch.data(), 0);  // empty batch is a no-op
@@ -372,7 +377,7 @@ TEST(Rotation, NonFiniteInputPropagatesToTheWholeVector) {
   const float inf = std::numeric_limits<float>::infinity();
   for (RotationKind kind : {RotationKind::kHadamard, RotationKind::kDense}) {
     for (int d : {64, 80, 96, 128}) {
-      const Rotation r(kind, d, 5);
+      const Rotation r = kvq::make_rotation(kind, d, 5);
       std::vector<float> x = gaussian_vector(d, 800 + d);
       x[d / 3] = nan;
       r.apply(x.data());
@@ -433,7 +438,7 @@ TEST(RotationQuality, RotatedUniformVectorsMatchTheory) {
     const kvq::Codebook& cb = kvq::lloyd_max_sphere(d, b);
     const double theory = d * cb.mse;
     for (RotationKind kind : {RotationKind::kHadamard, RotationKind::kDense}) {
-      const Rotation r(kind, d, 17);
+      const Rotation r = kvq::make_rotation(kind, d, 17);
       const double got = distortion(x, d, &r, cb);
       EXPECT_NEAR(got / theory, 1.0, 0.02) << to_string(kind) << " b=" << b;
     }
@@ -448,7 +453,7 @@ struct SeedStats {
 SeedStats over_seeds(RotationKind kind, const std::vector<float>& x, int d, int seeds) {
   std::vector<double> v[5];
   for (int s = 1; s <= seeds; ++s) {
-    const Rotation r(kind, d, 1000 + s);
+    const Rotation r = kvq::make_rotation(kind, d, 1000 + s);
     std::vector<float> y = x;
     r.apply_batch(y.data(), static_cast<int64_t>(y.size()) / d);  // rotate once, round 4 ways
     for (int b = 1; b <= 4; ++b) {
@@ -498,7 +503,7 @@ TEST(RotationQuality, HadamardEqualsDenseOnIsotropicData) {
     const std::vector<float> x = unit_vectors(n, d, {}, 1.f, 51 + d);
     std::vector<float> yh = x, yq = x;
     Rotation::hadamard(d, 3).apply_batch(yh.data(), n);
-    Rotation::dense(d, 3).apply_batch(yq.data(), n);
+    kvq::dense_rotation(d, 3).apply_batch(yq.data(), n);
     for (int b = 1; b <= 4; ++b) {
       const kvq::Codebook& cb = kvq::lloyd_max_sphere(d, b);
       const double h = distortion(yh, d, nullptr, cb);
@@ -509,3 +514,31 @@ TEST(RotationQuality, HadamardEqualsDenseOnIsotropicData) {
 }
 
 }  // namespace
+
+TEST(Rotation, FromMatrixChecksShapeFinitenessAndOrthonormality) {
+  const int d = 8;
+  std::vector<float> q = kvq::dense_rotation_matrix(d, 3);
+  const Rotation ok = Rotation::from_matrix(d, 3, q);
+  EXPECT_EQ(ok.kind(), RotationKind::kDense);
+  EXPECT_TRUE(bit_equal(ok.dense_matrix(), q));
+  auto kind_of = [&](std::vector<float> m, int dim) {
+    try {
+      Rotation::from_matrix(dim, 0, std::move(m));
+    } catch (const kvq::Error& e) {
+      return e.kind();
+    }
+    ADD_FAILURE() << "no throw";
+    return kvq::ErrorKind::kIo;
+  };
+  EXPECT_EQ(kind_of(std::vector<float>(q.begin(), q.end() - 1), d), kvq::ErrorKind::kShapeMismatch);
+  std::vector<float> bad = q;
+  bad[13] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(kind_of(bad, d), kvq::ErrorKind::kNonFinite);
+  bad = q;
+  bad[13] *= 1.01f;  // column 5 no longer unit length
+  EXPECT_EQ(kind_of(bad, d), kvq::ErrorKind::kInvalidArgument);
+  std::vector<float> scaled = q;
+  for (float& v : scaled) v *= 2.0f;
+  EXPECT_EQ(kind_of(scaled, d), kvq::ErrorKind::kInvalidArgument);
+  EXPECT_EQ(kind_of({}, 0), kvq::ErrorKind::kUnsupported);
+}

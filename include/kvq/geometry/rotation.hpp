@@ -28,7 +28,10 @@
 /// - **Dense** (kDense, the oracle and the alternative): a Haar-distributed random orthogonal
 ///   d x d matrix (Householder QR of a seeded Gaussian matrix, columns sign-fixed by the signs
 ///   of R's diagonal so the distribution is exactly Haar), applied as a matrix product: O(d^2)
-///   per vector, any d >= 1.
+///   per vector, any d >= 1. Building one needs Eigen's QR, so it lives in
+///   <kvq/geometry/dense_rotation.hpp> (kvq::dense_rotation, kvq::make_rotation); this header
+///   stays free of Eigen, which keeps every translation unit that only quantizes cheap to
+///   compile. A Rotation holds and applies a dense matrix either way (Rotation::from_matrix).
 ///
 /// Determinism: all randomness comes from kvq::detail::Xoshiro256ss seeded by splitmix64 from
 /// the user's 64-bit seed; both are integer-only, so the Hadamard signs and permutation are the
@@ -44,7 +47,7 @@
 /// NaN; one +-Inf makes every output +-Inf, several may give NaN. The Hadamard transform sums
 /// unscaled and scales at the end (that order keeps it exact against the reference under any
 /// -ffp-contract), so inputs above ~3.4e38 / d in magnitude overflow to Inf.
-#include <Eigen/Dense>
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -491,20 +494,56 @@ class Rotation {
  public:
   /// Throws kvq::Error: kInvalidArgument when dim <= 0; kUnsupported for a Hadamard dim with
   /// no supported decomposition (see hadamard_supported) or a dense dim above kMaxDenseDim.
+  /// kind must be kHadamard here: dense rotations are drawn by kvq::dense_rotation (or
+  /// kvq::make_rotation for either kind) in <kvq/geometry/dense_rotation.hpp>, which needs Eigen.
   Rotation(RotationKind kind, int dim, uint64_t seed) : kind_(kind), dim_(dim), seed_(seed) {
     KVQ_REQUIRE(dim > 0, kInvalidArgument, "rotation: dimension must be positive, got ", dim);
-    if (kind == RotationKind::kHadamard) {
-      init_hadamard();
-    } else {
-      init_dense();
+    if (kind != RotationKind::kHadamard) {
+      fail(ErrorKind::kUnsupported,
+           "rotation: a dense rotation is drawn by kvq::dense_rotation(dim, seed) or "
+           "kvq::make_rotation(kind, dim, seed) from <kvq/geometry/dense_rotation.hpp> (it needs "
+           "Eigen's QR)");
     }
+    init_hadamard();
   }
 
   static Rotation hadamard(int dim, uint64_t seed) {
     return Rotation(RotationKind::kHadamard, dim, seed);
   }
-  static Rotation dense(int dim, uint64_t seed) {
-    return Rotation(RotationKind::kDense, dim, seed);
+
+  /// A dense rotation from its matrix Q ([dim, dim] row-major; forward y = Q x, inverse Q^T x).
+  /// `seed` is only recorded. Q must be finite and orthonormal: every |Q^T Q - I| entry at most
+  /// `tolerance` (checked, O(d^3)); anything else is kInvalidArgument.
+  static Rotation from_matrix(int dim, uint64_t seed, std::vector<float> q,
+                              double tolerance = 1e-5) {
+    KVQ_REQUIRE(dim > 0 && dim <= kMaxDenseDim, kUnsupported,
+                "dense rotation: dimension must be in [1, ", kMaxDenseDim, "], got ", dim);
+    KVQ_REQUIRE(q.size() == static_cast<size_t>(dim) * static_cast<size_t>(dim), kShapeMismatch,
+                "dense rotation: matrix has ", q.size(), " entries, a ", dim, " x ", dim,
+                " rotation needs ", static_cast<size_t>(dim) * static_cast<size_t>(dim));
+    for (size_t i = 0; i < q.size(); ++i) {
+      KVQ_REQUIRE(std::isfinite(q[i]), kNonFinite, "dense rotation: matrix entry (", i / dim, ", ",
+                  i % dim, ") is ", q[i]);
+    }
+    for (int a = 0; a < dim; ++a) {
+      for (int b = a; b < dim; ++b) {
+        double s = 0.0;
+        for (int i = 0; i < dim; ++i) {
+          s += static_cast<double>(q[static_cast<size_t>(i) * dim + a]) *
+               q[static_cast<size_t>(i) * dim + b];
+        }
+        const double want = a == b ? 1.0 : 0.0;
+        KVQ_REQUIRE(std::fabs(s - want) <= tolerance, kInvalidArgument,
+                    "dense rotation: matrix is not orthonormal: column ", a, " . column ", b,
+                    " = ", s, ", expected ", want, " (tolerance ", tolerance, ")");
+      }
+    }
+    Rotation r;
+    r.kind_ = RotationKind::kDense;
+    r.dim_ = dim;
+    r.seed_ = seed;
+    r.q_ = std::move(q);
+    return r;
   }
 
   /// Largest dim for a dense rotation (its matrix is dim^2 floats: 64 MiB at the limit).
@@ -526,10 +565,7 @@ class Rotation {
   /// The permutation p between the stages, [dim]; empty unless dim is not a power of two.
   const std::vector<int32_t>& permutation() const noexcept { return perm_; }
   /// The dense matrix Q, [dim, dim] row-major; empty for Hadamard.
-  const Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>& dense_matrix()
-      const noexcept {
-    return q_;
-  }
+  const std::vector<float>& dense_matrix() const noexcept { return q_; }
 
   /// x <- R x for one vector of dim() floats.
   void apply(float* x) const {
@@ -565,13 +601,13 @@ class Rotation {
       return detail::cat("hadamard rotation: head_dim ", dim, " = ", m, " x ", b,
                          " is not supported: it needs a power of two, or m x 2^k with odd m <= "
                          "2^k and 2^k >= 8 (e.g. 80 = 5 x 16, 96 = 3 x 32, 192 = 3 x 64); use "
-                         "RotationKind::kDense for this head_dim");
+                         "a dense rotation (kvq::dense_rotation) for this head_dim");
     }
     return {};
   }
 
  private:
-  using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  Rotation() : kind_(RotationKind::kDense), dim_(0), seed_(0) {}  // for from_matrix
 
   void init_hadamard() {
     const std::string why = hadamard_unsupported_reason(dim_);
@@ -610,23 +646,6 @@ class Rotation {
     for (int i = 0; i < dim_; ++i) post2_[i] = sign2_[i] * scale_;
   }
 
-  void init_dense() {
-    KVQ_REQUIRE(dim_ <= kMaxDenseDim, kUnsupported, "dense rotation: dimension ", dim_, " exceeds ",
-                kMaxDenseDim, " (its matrix would be dim^2 floats)");
-    detail::Xoshiro256ss rng(seed_);
-    Eigen::MatrixXd g(dim_, dim_);
-    for (int i = 0; i < dim_; ++i) {
-      for (int j = 0; j < dim_; ++j) g(i, j) = rng.normal();
-    }
-    Eigen::HouseholderQR<Eigen::MatrixXd> qr(g);
-    Eigen::MatrixXd q = qr.householderQ();
-    const Eigen::MatrixXd& r = qr.matrixQR();  // R is its upper triangle
-    for (int j = 0; j < dim_; ++j) {
-      if (r(j, j) < 0) q.col(j) = -q.col(j);
-    }
-    q_ = q.cast<float>();
-  }
-
   // Two-stage forward: Hb D1 from x into scratch t, gather back into x (P), then Hb D2 in
   // place. The inverse runs the mirror image with the inverse permutation.
   void hadamard_forward(float* x) const {
@@ -657,13 +676,29 @@ class Rotation {
     detail::fwht_blocks(x, x, dim_, block_, nullptr, post1_.data(), 0.0f);
   }
 
+  // y = Q x (row dot products) or y = Q^T x (rows scaled and summed), vector by vector, in
+  // float with a fixed order: the same result for one vector and for a batch.
   void dense_apply(float* x, int64_t n, bool inverse) const {
-    if (n == 0) return;
-    Eigen::Map<RowMatrix> xs(x, n, dim_);  // [n, dim], one vector per row
-    if (inverse) {
-      xs = (xs * q_).eval();  // rows: (Q^T x)^T = x^T Q
-    } else {
-      xs = (xs * q_.transpose()).eval();  // rows: (Q x)^T = x^T Q^T
+    std::vector<float> y(static_cast<size_t>(dim_));
+    const size_t d = static_cast<size_t>(dim_);
+    for (int64_t v = 0; v < n; ++v) {
+      float* xv = x + v * dim_;
+      if (inverse) {
+        std::fill(y.begin(), y.end(), 0.0f);
+        for (size_t j = 0; j < d; ++j) {
+          const float xj = xv[j];
+          const float* row = q_.data() + j * d;
+          for (size_t i = 0; i < d; ++i) y[i] += row[i] * xj;
+        }
+      } else {
+        for (size_t i = 0; i < d; ++i) {
+          const float* row = q_.data() + i * d;
+          float s = 0.0f;
+          for (size_t j = 0; j < d; ++j) s += row[j] * xv[j];
+          y[i] = s;
+        }
+      }
+      std::copy(y.begin(), y.end(), xv);
     }
   }
 
@@ -676,7 +711,7 @@ class Rotation {
   std::vector<float> post1_, post2_;  // [dim] sign * scale, the inverse's post multipliers
   std::vector<int32_t> perm_;         // [dim] forward gather: (P u)[i] = u[perm_[i]]
   std::vector<int32_t> inv_perm_;     // [dim] its inverse
-  RowMatrix q_;                       // [dim, dim] dense only
+  std::vector<float> q_;              // [dim, dim] row-major, dense only
 };
 
 }  // namespace kvq
