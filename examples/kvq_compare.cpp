@@ -1,23 +1,36 @@
 // kvq_compare: the geometry-vs-bits comparison (kvq's main job).
 //
-// Quantizes keys and values under a grid of schemes (grouping axis x bits x group size, raw
-// formats) and reports, for each, the effective bits (metadata included, checked against the
-// packed bytes) and the error where the tensors are consumed: key/value relative MSE, attention
-// score error, attention weight KL and attention output error. Default input: kvq's built-in
-// synthetic KV generator (keys with fixed outlier channels and RoPE, values without).
+// Quantizes keys and values under a grid of schemes (grouping axis x bits x group size, FP8,
+// rotation + Lloyd-Max, the presets) and reports, for each, the effective bits (metadata
+// included, checked against the packed bytes) and the error where the tensors are consumed:
+// key/value relative MSE, attention score error, attention weight KL and attention output
+// error. Inputs:
+//   (default)                     kvq's built-in synthetic KV generator (eval/synthetic.hpp)
+//   --dump PATH                   a KV dump (docs/dump-format.md): .safetensors or .npy dir
+//   --model M --tokenizer T --text F
+//                                 a llama2.c model: its real K/V/Q on one sequence of F, and
+//                                 perplexity + next-token KL over F with the cache held under
+//                                 each scheme (residual 0: every complete block quantized)
 //
 // Writes <out>/compare.csv, <out>/compare.json and <out>/compare.svg (error vs effective bits,
 // Pareto front marked).
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "kvq/accounting/accountant.hpp"
+#include "kvq/cache/cache_backend.hpp"
+#include "kvq/eval/llama2c.hpp"
 #include "kvq/eval/metrics.hpp"
 #include "kvq/eval/synthetic.hpp"
+#include "kvq/io/kv_dump.hpp"
+#include "kvq/policy/spec.hpp"
 #include "kvq/quant/quantize.hpp"
 #include "report.hpp"
 
@@ -29,19 +42,9 @@ struct Scheme {
   kvq::QuantConfig k, v;
 };
 
-kvq::QuantConfig raw(kvq::Format f) {
-  kvq::QuantConfig c;
-  c.format = f;
-  return c;
-}
+kvq::QuantConfig raw(kvq::Format f) { return kvq::raw_config(f); }
 kvq::QuantConfig integer(int bits, kvq::Axis axis, int64_t group, bool sym = false) {
-  kvq::QuantConfig c;
-  c.format = kvq::Format::kInt;
-  c.bits = bits;
-  c.axis = axis;
-  c.group = group;
-  c.symmetric = sym;
-  return c;
+  return kvq::int_config(bits, axis, group, sym);
 }
 
 std::vector<Scheme> default_grid() {
@@ -72,13 +75,7 @@ std::vector<Scheme> default_grid() {
                      std::to_string(bits) + "_0)",
                  "K token / V token", integer(bits, Axis::kToken, 32, true),
                  integer(bits, Axis::kToken, 32, true)});
-  auto fp8 = [](kvq::Format f, Axis a) {
-    kvq::QuantConfig c;
-    c.format = f;
-    c.bits = 8;
-    c.axis = a;
-    return c;
-  };
+  auto fp8 = [](kvq::Format f, Axis a) { return kvq::fp8_config(f, a, 0); };
   g.push_back({"e4m3 per-head scale", "fp8", fp8(kvq::Format::kE4M3, Axis::kHead),
                fp8(kvq::Format::kE4M3, Axis::kHead)});
   g.push_back({"e4m3 per-token scale", "fp8", fp8(kvq::Format::kE4M3, Axis::kToken),
@@ -87,13 +84,7 @@ std::vector<Scheme> default_grid() {
                fp8(kvq::Format::kE5M2, Axis::kHead)});
   g.push_back({"k8v4 (e4m3 K per-head, int4 V token g32)", "fp8",
                fp8(kvq::Format::kE4M3, Axis::kHead), integer(4, Axis::kToken, 32)});
-  auto lm = [](int bits, bool qjl) {
-    kvq::QuantConfig c;
-    c.format = kvq::Format::kLloydMax;
-    c.bits = bits;
-    c.qjl = qjl;
-    return c;
-  };
+  auto lm = [](int bits, bool qjl) { return kvq::lm_config(bits, qjl); };
   for (int bits : {2, 3, 4})
     g.push_back({"lm" + std::to_string(bits) + " rotated K and V", "rotation + Lloyd-Max",
                  lm(bits, false), lm(bits, false)});
@@ -103,19 +94,235 @@ std::vector<Scheme> default_grid() {
   return g;
 }
 
-void usage(const char* argv0) {
-  std::fprintf(stderr,
-               "usage: %s [--out DIR] [--layers N] [--tokens T] [--kv-heads H] [--q-heads Q]\n"
-               "          [--head-dim D] [--seed S] [--json]\n"
-               "Runs the geometry-vs-bits comparison on kvq's built-in synthetic KV data.\n",
-               argv0);
+/// One layer of the input: K and V [tokens, kv_heads, head_dim], and nq queries
+/// [nq, q_heads, head_dim] at positions tokens - nq .. tokens - 1 (each attends causally).
+struct Layer {
+  std::vector<float> k, v, q;
+  int64_t nq = 0;
+};
+
+struct Input {
+  std::string description;   // one line, for the table header, JSON and plot title
+  std::string query_source;  // where the attention queries come from
+  kvq::Shape shape;
+  int q_heads = 0;
+  std::vector<Layer> layers;
+};
+
+Input synthetic_input(const kvq::eval::SyntheticSpec& spec) {
+  Input in;
+  in.shape = kvq::Shape{spec.tokens, spec.kv_heads, spec.head_dim};
+  in.q_heads = spec.q_heads;
+  in.description = "SYNTHETIC (kvq built-in generator: keys with fixed outlier channels + RoPE, "
+                   "values without), " +
+                   std::to_string(spec.layers) + " layers x " + in.shape.str();
+  in.query_source = "synthetic queries (one per layer, at the last position)";
+  for (auto& L : kvq::eval::make_synthetic_kv(spec)) {
+    Layer l;
+    l.k = std::move(L.k);
+    l.v = std::move(L.v);
+    l.q = std::move(L.q);
+    l.nq = 1;
+    in.layers.push_back(std::move(l));
+  }
+  return in;
 }
 
-int parse_int(const char* flag, const char* v) {
+Input dump_input(const std::string& path, int n_queries) {
+  const kvq::io::KVDump dump = kvq::io::load_kv_dump(path);
+  Input in;
+  in.shape = dump.layers.at(0).k.kv_shape();
+  in.q_heads = static_cast<int>(in.shape.heads);
+  const bool have_q = dump.layers[0].q.has_value();
+  const int64_t T = in.shape.tokens, H = in.shape.heads, D = in.shape.head_dim;
+  for (size_t li = 0; li < dump.layers.size(); ++li) {
+    const auto& d = dump.layers[li];
+    KVQ_REQUIRE(d.k.kv_shape() == in.shape, kShapeMismatch,
+                "kvq_compare needs every layer of the dump to have the same shape; layer ", li,
+                " is ", d.k.kv_shape().str(), ", layer 0 is ", in.shape.str());
+    KVQ_REQUIRE(d.q.has_value() == have_q, kInvalidArgument,
+                "kvq_compare: layers.0 ", have_q ? "has" : "has no", " q but layers.", li,
+                have_q ? " has none" : " has one");
+    Layer l;
+    l.k = d.k.to_float();
+    l.v = d.v.to_float();
+    l.nq = std::min<int64_t>(n_queries, T);
+    const int64_t first = T - l.nq;
+    if (have_q) {
+      const std::vector<float> q = d.q->to_float();
+      in.q_heads = static_cast<int>(d.q->shape[1]);
+      l.q.assign(q.begin() + first * in.q_heads * D, q.end());
+    } else {
+      l.q.assign(l.k.begin() + first * H * D, l.k.end());
+    }
+    in.layers.push_back(std::move(l));
+  }
+  in.query_source = have_q ? "the dump's queries (last " + std::to_string(in.layers[0].nq) +
+                                 " positions, causal)"
+                           : "keys as stand-in queries (the dump has no layers.<i>.q; last " +
+                                 std::to_string(in.layers[0].nq) + " positions, causal)";
+  in.description = "KV dump " + path + ", " + std::to_string(in.layers.size()) + " layers x " +
+                   in.shape.str();
+  return in;
+}
+
+/// Records every layer's queries of one sequence while an Fp32Backend holds its K and V.
+class RecordingBackend final : public kvq::eval::KVBackend {
+ public:
+  explicit RecordingBackend(const kvq::eval::KVGeometry& g) : inner_(g), q_(static_cast<size_t>(g.n_layers)) {}
+  void reset() override {
+    inner_.reset();
+    for (auto& q : q_) q.clear();
+  }
+  void append(int layer, int pos, const float* kp, const float* k, const float* v) override {
+    inner_.append(layer, pos, kp, k, v);
+  }
+  void attend(int layer, int pos, const float* q, int n_heads, float* out) override {
+    const int d = inner_.geometry().head_dim;
+    auto& dst = q_[static_cast<size_t>(layer)];
+    dst.insert(dst.end(), q, q + static_cast<size_t>(n_heads) * d);
+    n_heads_ = n_heads;
+    inner_.attend(layer, pos, q, n_heads, out);
+  }
+  const kvq::eval::Fp32Backend& inner() const { return inner_; }
+  const std::vector<float>& queries(int layer) const { return q_[static_cast<size_t>(layer)]; }
+  int n_heads() const { return n_heads_; }
+
+ private:
+  kvq::eval::Fp32Backend inner_;
+  std::vector<std::vector<float>> q_;
+  int n_heads_ = 0;
+};
+
+std::vector<float> to_vector(kvq::KVView<const float> v) {
+  std::vector<float> out(static_cast<size_t>(v.numel()));
+  size_t i = 0;
+  for (int64_t t = 0; t < v.tokens(); ++t)
+    for (int64_t h = 0; h < v.heads(); ++h)
+      for (int64_t d = 0; d < v.head_dim(); ++d) out[i++] = v.at(t, h, d);
+  return out;
+}
+
+/// The model's K, V and queries on the longest of the first 64 non-empty lines of the text.
+Input model_input(kvq::eval::Llama2cModel& model, const kvq::eval::Tokenizer& tok,
+                  const std::vector<std::string>& lines, const std::string& model_path,
+                  int n_queries) {
+  std::vector<int> ids;
+  size_t which = 0, seen = 0;
+  for (size_t i = 0; i < lines.size() && seen < 64; ++i) {
+    if (lines[i].empty()) continue;
+    ++seen;
+    auto t = tok.encode(lines[i], true);
+    if (t.size() > ids.size()) {
+      ids = std::move(t);
+      which = i;
+    }
+  }
+  KVQ_REQUIRE(ids.size() >= 2, kInvalidArgument, "kvq_compare: the text has no non-empty line");
+  const int seq_len = model.config().seq_len;
+  if (static_cast<int>(ids.size()) > seq_len) ids.resize(static_cast<size_t>(seq_len));
+  RecordingBackend be(model.kv_geometry());
+  be.reset();
+  std::vector<float> logits(static_cast<size_t>(model.config().vocab_size));
+  for (size_t p = 0; p < ids.size(); ++p) model.forward(ids[p], static_cast<int>(p), be, logits.data());
+  Input in;
+  const auto geo = model.kv_geometry();
+  const int64_t T = static_cast<int64_t>(ids.size());
+  in.shape = kvq::Shape{T, geo.n_kv_heads, geo.head_dim};
+  in.q_heads = be.n_heads();
+  for (int l = 0; l < geo.n_layers; ++l) {
+    Layer L;
+    L.k = to_vector(be.inner().keys(l));
+    L.v = to_vector(be.inner().values(l));
+    L.nq = std::min<int64_t>(n_queries, T);
+    const auto& q = be.queries(l);
+    L.q.assign(q.end() - L.nq * in.q_heads * geo.head_dim, q.end());
+    in.layers.push_back(std::move(L));
+  }
+  in.query_source = "the model's own queries (last " + std::to_string(in.layers[0].nq) +
+                    " positions, causal)";
+  in.description = "model " + model_path + " (K/V of text line " + std::to_string(which + 1) +
+                   "), " + std::to_string(geo.n_layers) + " layers x " + in.shape.str();
+  return in;
+}
+
+/// Tensor-level metrics of one scheme over every layer of the input; effective bits from the
+/// packed bytes, which must equal the accountant's figure.
+kvq_tools::Row evaluate_scheme(const Scheme& sc, const Input& in) {
+  const kvq::Shape shape = in.shape;
+  std::vector<float> kq(static_cast<size_t>(shape.numel())), vq(kq.size());
+  double bytes = 0, acct = 0, kerr = 0, verr = 0, serr = 0, wkl = 0, oerr = 0;
+  int64_t nmeas = 0;
+  const int64_t qstride = static_cast<int64_t>(in.q_heads) * shape.head_dim;
+  for (const Layer& L : in.layers) {
+    kvq::KVView<const float> k(L.k.data(), shape), v(L.v.data(), shape);
+    const auto qk = kvq::quantize(sc.k, k);
+    const auto qv = kvq::quantize(sc.v, v);
+    bytes += static_cast<double>(qk.bytes() + qv.bytes());
+    acct += static_cast<double>(kvq::account(sc.k, shape).total() +
+                                kvq::account(sc.v, shape).total());
+    kvq::KVView<float> kd(kq.data(), shape), vd(vq.data(), shape);
+    kvq::dequantize(qk, kd);
+    kvq::dequantize(qv, vd);
+    const kvq::KVView<const float> kt(kq.data(), shape), vt(vq.data(), shape);
+    kerr += kvq::eval::relative_mse(k, kt);
+    verr += kvq::eval::relative_mse(v, vt);
+    for (int64_t i = 0; i < L.nq; ++i) {
+      const int64_t n = shape.tokens - L.nq + i + 1;  // causal: tokens [0, pos]
+      const auto e = kvq::eval::attention_errors(L.q.data() + i * qstride, in.q_heads,
+                                                 k.slice_tokens(0, n), v.slice_tokens(0, n),
+                                                 kt.slice_tokens(0, n), vt.slice_tokens(0, n));
+      serr += e.score_rel_error;
+      wkl += e.weight_kl;
+      oerr += e.output_rel_error;
+      ++nmeas;
+    }
+  }
+  KVQ_REQUIRE(bytes == acct, kInvalidArgument, "kvq_compare: internal error: ", sc.name,
+              " packed ", bytes, " bytes but the accountant says ", acct);
+  const double n = static_cast<double>(in.layers.size());
+  const double m = static_cast<double>(std::max<int64_t>(nmeas, 1));
+  kvq_tools::Row r;
+  r.text = {{"scheme", sc.name}, {"geometry", sc.geometry}};
+  r.num = {{"effective_bits", 8.0 * bytes / (2.0 * n * static_cast<double>(shape.numel()))},
+           {"key_rel_mse", kerr / n},
+           {"value_rel_mse", verr / n},
+           {"attn_score_rel_err", serr / m},
+           {"attn_kl", wkl / m},
+           {"attn_output_rel_err", oerr / m}};
+  return r;
+}
+
+/// The scheme as a policy spec (residual 0), for kvq_perplexity / kvq_quantize_dump.
+std::string scheme_spec(const Scheme& sc) {
+  return "k=" + kvq::config_spec(sc.k) + ",v=" + kvq::config_spec(sc.v) + ",residual=0";
+}
+
+#ifndef KVQ_SHARED_DIR
+#define KVQ_SHARED_DIR "../shared"
+#endif
+
+void usage(const char* argv0) {
+  std::fprintf(stderr,
+               "usage: %s [--out DIR] [--json] [input]\n"
+               "input (default: kvq's built-in SYNTHETIC KV generator):\n"
+               "  [--layers N] [--tokens T] [--kv-heads H] [--q-heads Q] [--head-dim D] [--seed S]\n"
+               "                        shape of the synthetic input (default 4 x 1024 x 4 x 128)\n"
+               "  --dump PATH           a KV dump (.safetensors or directory of .npy files)\n"
+               "  --model M [--tokenizer T] [--text F] [--max-seqs N] [--no-perplexity]\n"
+               "                        a llama2.c model: tensor errors on its real K/V/Q, plus\n"
+               "                        perplexity and KL over F per scheme (tokenizer and text\n"
+               "                        default to %s/data/stories260K/)\n"
+               "  --queries N           query positions per layer for --dump / --model (16)\n"
+               "Writes DIR/compare.{csv,json,svg} (DIR defaults to kvq_compare_out).\n",
+               argv0, KVQ_SHARED_DIR);
+}
+
+int parse_int(const char* flag, const char* v, int min = 1) {
   char* end = nullptr;
   const long x = std::strtol(v, &end, 10);
-  if (!end || *end || x <= 0 || x > 1 << 20) {
-    std::fprintf(stderr, "kvq_compare: %s needs a positive integer, got '%s'\n", flag, v);
+  if (!end || *end || x < min || x > 1 << 20) {
+    std::fprintf(stderr, "kvq_compare: %s needs an integer >= %d, got '%s'\n", flag, min, v);
     std::exit(2);
   }
   return static_cast<int>(x);
@@ -125,8 +332,11 @@ int parse_int(const char* flag, const char* v) {
 
 int main(int argc, char** argv) {
   kvq::eval::SyntheticSpec spec;
-  std::string out_dir = "kvq_compare_out";
-  bool json_stdout = false;
+  const std::string base = std::string(KVQ_SHARED_DIR) + "/data/stories260K/";
+  std::string out_dir = "kvq_compare_out", dump_path, model_path, tok_path = base + "tok512.bin",
+              text_path = base + "tinystories-dev.txt";
+  bool json_stdout = false, perplexity = true, synthetic_flags = false;
+  int n_queries = 16, max_seqs = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -136,13 +346,26 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
+    auto synth = [&](int& field) {
+      field = parse_int(a.c_str(), next());
+      synthetic_flags = true;
+    };
     if (a == "--out") out_dir = next();
-    else if (a == "--layers") spec.layers = parse_int("--layers", next());
-    else if (a == "--tokens") spec.tokens = parse_int("--tokens", next());
-    else if (a == "--kv-heads") spec.kv_heads = parse_int("--kv-heads", next());
-    else if (a == "--q-heads") spec.q_heads = parse_int("--q-heads", next());
-    else if (a == "--head-dim") spec.head_dim = parse_int("--head-dim", next());
-    else if (a == "--seed") spec.seed = static_cast<uint32_t>(parse_int("--seed", next()));
+    else if (a == "--layers") synth(spec.layers);
+    else if (a == "--tokens") synth(spec.tokens);
+    else if (a == "--kv-heads") synth(spec.kv_heads);
+    else if (a == "--q-heads") synth(spec.q_heads);
+    else if (a == "--head-dim") synth(spec.head_dim);
+    else if (a == "--seed") {
+      spec.seed = static_cast<uint32_t>(parse_int("--seed", next(), 0));
+      synthetic_flags = true;
+    } else if (a == "--dump") dump_path = next();
+    else if (a == "--model") model_path = next();
+    else if (a == "--tokenizer") tok_path = next();
+    else if (a == "--text") text_path = next();
+    else if (a == "--queries") n_queries = parse_int("--queries", next());
+    else if (a == "--max-seqs") max_seqs = parse_int("--max-seqs", next(), 0);
+    else if (a == "--no-perplexity") perplexity = false;
     else if (a == "--json") json_stdout = true;
     else if (a == "-h" || a == "--help") {
       usage(argv[0]);
@@ -153,87 +376,120 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (!dump_path.empty() + !model_path.empty() + synthetic_flags > 1) {
+    std::fprintf(stderr,
+                 "kvq_compare: choose one input: --dump, --model, or the synthetic shape flags\n");
+    return 2;
+  }
   try {
     const auto t0 = std::chrono::steady_clock::now();
-    const auto data = kvq::eval::make_synthetic_kv(spec);
-    const kvq::Shape shape{spec.tokens, spec.kv_heads, spec.head_dim};
-    std::fprintf(stderr,
-                 "kvq_compare: input is SYNTHETIC (kvq's built-in generator: keys with fixed "
-                 "outlier channels + RoPE, values without; %d layers x %s)\n",
-                 spec.layers, shape.str().c_str());
+    Input in;
+    std::unique_ptr<kvq::eval::Llama2cModel> model;
+    std::unique_ptr<kvq::eval::Tokenizer> tok;
+    std::vector<std::string> lines;
+    if (!dump_path.empty()) {
+      in = dump_input(dump_path, n_queries);
+    } else if (!model_path.empty()) {
+      model = std::make_unique<kvq::eval::Llama2cModel>(model_path);
+      tok = std::make_unique<kvq::eval::Tokenizer>(tok_path, model->config().vocab_size);
+      lines = kvq::eval::read_text_lines(text_path);
+      in = model_input(*model, *tok, lines, model_path, n_queries);
+    } else {
+      in = synthetic_input(spec);
+    }
+    std::fprintf(stderr, "kvq_compare: input: %s\nkvq_compare: attention measured with %s\n",
+                 in.description.c_str(), in.query_source.c_str());
     const auto grid = default_grid();
     std::vector<kvq_tools::Row> rows;
-    std::vector<float> kq(static_cast<size_t>(shape.numel())), vq(kq.size());
     for (size_t si = 0; si < grid.size(); ++si) {
-      const Scheme& sc = grid[si];
-      std::fprintf(stderr, "\r[%zu/%zu] %-48s", si + 1, grid.size(), sc.name.c_str());
-      double bytes = 0, acct = 0, kerr = 0, verr = 0, serr = 0, wkl = 0, oerr = 0;
-      for (const auto& L : data) {
-        kvq::KVView<const float> k(L.k.data(), shape), v(L.v.data(), shape);
-        const auto qk = kvq::quantize(sc.k, k);
-        const auto qv = kvq::quantize(sc.v, v);
-        bytes += static_cast<double>(qk.bytes() + qv.bytes());
-        acct += static_cast<double>(kvq::account(sc.k, shape).total() +
-                                    kvq::account(sc.v, shape).total());
-        kvq::KVView<float> kd(kq.data(), shape), vd(vq.data(), shape);
-        kvq::dequantize(qk, kd);
-        kvq::dequantize(qv, vd);
-        kerr += kvq::eval::relative_mse(k, kvq::KVView<const float>(kd));
-        verr += kvq::eval::relative_mse(v, kvq::KVView<const float>(vd));
-        const auto e = kvq::eval::attention_errors(L.q.data(), spec.q_heads, k, v, kd, vd);
-        serr += e.score_rel_error;
-        wkl += e.weight_kl;
-        oerr += e.output_rel_error;
-      }
-      if (bytes != acct) {
-        std::fprintf(stderr, "\nkvq_compare: internal error: packed bytes %.0f != accountant %.0f\n",
-                     bytes, acct);
-        return 1;
-      }
-      const double n = static_cast<double>(data.size());
-      kvq_tools::Row r;
-      r.text = {{"scheme", sc.name}, {"geometry", sc.geometry}};
-      r.num = {{"effective_bits", 8.0 * bytes / (2.0 * n * static_cast<double>(shape.numel()))},
-               {"key_rel_mse", kerr / n},
-               {"value_rel_mse", verr / n},
-               {"attn_score_rel_err", serr / n},
-               {"attn_kl", wkl / n},
-               {"attn_output_rel_err", oerr / n}};
-      rows.push_back(r);
+      std::fprintf(stderr, "\r[%zu/%zu] %-56s", si + 1, grid.size(), grid[si].name.c_str());
+      rows.push_back(evaluate_scheme(grid[si], in));
+      rows.back().text.push_back({"spec", scheme_spec(grid[si])});
     }
-    std::fprintf(stderr, "\r%-60s\r", "");
+    std::fprintf(stderr, "\r%-70s\r", "");
+
+    // Real model: perplexity and KL of the next-token distribution with the cache under each
+    // scheme, against one recorded f32 run.
+    const bool run_ppl = model && perplexity;
+    double ref_ppl = 0;
+    int64_t ppl_tokens = 0;
+    if (run_ppl) {
+      kvq::eval::EvalOptions opt;
+      opt.max_sequences = max_seqs;
+      kvq::eval::LogitTrace trace;
+      kvq::eval::Fp32Backend ref(model->kv_geometry());
+      kvq::eval::EvalOptions ropt = opt;
+      ropt.record_trace = &trace;
+      const auto r0 = kvq::eval::evaluate_text(*model, *tok, ref, lines, ropt);
+      ref_ppl = r0.test.perplexity();
+      ppl_tokens = r0.test.tokens;
+      for (size_t si = 0; si < grid.size(); ++si) {
+        std::fprintf(stderr, "\r[perplexity %zu/%zu] %-56s", si + 1, grid.size(),
+                     grid[si].name.c_str());
+        kvq::Policy p;
+        p.key = grid[si].k;
+        p.value = grid[si].v;
+        kvq::CacheBackend be(p, model->kv_geometry());
+        kvq::eval::EvalOptions popt = opt;
+        popt.reference_trace = &trace;
+        const auto r = kvq::eval::evaluate_text(*model, *tok, be, lines, popt);
+        rows[si].num.push_back({"perplexity", r.test.perplexity()});
+        rows[si].num.push_back({"kl", r.mean_kl});
+      }
+      std::fprintf(stderr, "\r%-70s\r", "");
+    }
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
+    const std::string ykey = run_ppl ? "kl" : "attn_output_rel_err";
     std::vector<double> x, y;
     std::vector<std::string> labels, groups;
     for (auto& r : rows) {
       x.push_back(r.get("effective_bits"));
-      y.push_back(r.get("attn_output_rel_err"));
+      y.push_back(std::max(r.get(ykey), 1e-9));  // log axis: f32-exact rows sit at the floor
       labels.push_back(r.get_text("scheme"));
       groups.push_back(r.get_text("geometry"));
     }
-    const std::string input = "synthetic (kvq built-in generator), " + std::to_string(spec.layers) +
-                              " layers x " + shape.str();
     std::string cmd;
     for (int i = 0; i < argc; ++i) cmd += (i ? " " : "") + std::string(argv[i]);
-    const std::string json =
-        kvq_tools::to_json(rows, {{"tool", "kvq_compare"}, {"input", input}, {"command", cmd}});
-    std::string mk = "mkdir -p '" + out_dir + "'";
-    if (std::system(mk.c_str()) != 0) throw std::runtime_error("cannot create " + out_dir);
+    std::vector<std::pair<std::string, std::string>> meta = {
+        {"tool", "kvq_compare"},
+        {"input", in.description},
+        {"synthetic", kvq_tools::raw_json(dump_path.empty() && model_path.empty() ? "true" : "false")},
+        {"query_source", in.query_source},
+        {"command", cmd}};
+    if (run_ppl) {
+      meta.push_back({"text", text_path});
+      meta.push_back({"perplexity_tokens", kvq_tools::raw_json(std::to_string(ppl_tokens))});
+      meta.push_back({"reference_perplexity", kvq_tools::raw_json(kvq_tools::json_number(ref_ppl))});
+    }
+    const std::string json = kvq_tools::to_json(rows, meta);
+    std::error_code ec;
+    std::filesystem::create_directories(out_dir, ec);
+    if (ec) throw std::runtime_error("cannot create " + out_dir + ": " + ec.message());
     kvq_tools::write_file(out_dir + "/compare.json", json);
     kvq_tools::write_file(out_dir + "/compare.csv", kvq_tools::to_csv(rows));
     kvq_tools::write_file(
         out_dir + "/compare.svg",
         kvq_tools::svg_plot(x, y, labels, groups,
-                            "Attention output error vs effective bits (" + input + ")",
+                            (run_ppl ? "Next-token KL vs effective bits (" :
+                                       "Attention output error vs effective bits (") +
+                                in.description + ")",
                             "effective bits per value (K and V, metadata included)",
-                            "attention output relative error (log scale)"));
+                            run_ppl ? "mean KL divergence of next-token distribution, nats (log)"
+                                    : "attention output relative error (log scale)"));
     if (json_stdout) {
       std::fputs(json.c_str(), stdout);
     } else {
-      std::printf("Geometry vs bits on %s\n", input.c_str());
-      std::printf("(SYNTHETIC input: keys have fixed outlier channels and RoPE, values do not)\n\n");
+      std::printf("Geometry vs bits on %s\n", in.description.c_str());
+      if (dump_path.empty() && model_path.empty())
+        std::printf("(SYNTHETIC input: keys have fixed outlier channels and RoPE, values do not; "
+                    "pass --dump or --model for real data)\n");
+      std::printf("attention errors with %s", in.query_source.c_str());
+      if (run_ppl)
+        std::printf("; perplexity/KL over %lld tokens of %s (f32 reference %.4f)",
+                    static_cast<long long>(ppl_tokens), text_path.c_str(), ref_ppl);
+      std::printf("\n\n");
       kvq_tools::print_table(rows);
       std::printf("\nWrote %s/compare.{csv,json,svg} in %.1f s\n", out_dir.c_str(), secs);
     }

@@ -2,7 +2,11 @@
 // held in kvq's quantized cache under each policy.
 //
 //   kvq_perplexity --model M --tokenizer T --text F --policy SPEC[;SPEC...] [--json]
-//                  [--max-seqs N] [--seq-len N]
+//                  [--max-seqs N] [--seq-len N] [--simulate]
+//
+// The cache is kvq's streaming KVCache (keys and values packed in shared blocks), or with
+// --simulate the SimulatedBackend (cache/simulated_backend.hpp: every key and value scale group
+// quantized as soon as it is complete, the rule of the reference axis table).
 //
 // Each non-empty line of F is one sequence (BOS prepended, truncated to the model's seq_len);
 // every next-token prediction is counted. The unquantized (f32) run is computed once and its
@@ -11,10 +15,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "kvq/cache/cache_backend.hpp"
+#include "kvq/cache/simulated_backend.hpp"
 #include "kvq/eval/llama2c.hpp"
 #include "kvq/policy/spec.hpp"
 #include "report.hpp"
@@ -25,33 +31,52 @@ namespace {
 #define KVQ_SHARED_DIR "../shared"
 #endif
 
-/// Wraps the cache backend to measure the cache at the end of every sequence (before reset):
-/// the peak bytes and the bytes-weighted effective bits over all sequences.
+/// Wraps the cache backend (or the simulated-quantization backend) to measure the cache at the
+/// end of every sequence (before reset): the peak bytes and the bytes-weighted effective bits
+/// over all sequences.
 class MeasuringBackend final : public kvq::eval::KVBackend {
  public:
-  MeasuringBackend(kvq::Policy p, const kvq::eval::KVGeometry& g) : inner_(std::move(p), g) {}
+  MeasuringBackend(kvq::Policy p, const kvq::eval::KVGeometry& g, bool simulate) {
+    if (simulate) {
+      sim_ = std::make_unique<kvq::SimulatedBackend>(std::move(p), g);
+    } else {
+      cache_ = std::make_unique<kvq::CacheBackend>(std::move(p), g);
+    }
+  }
   void reset() override {
     measure();
-    inner_.reset();
+    inner().reset();
   }
   void append(int layer, int pos, const float* kp, const float* k, const float* v) override {
-    inner_.append(layer, pos, kp, k, v);
+    inner().append(layer, pos, kp, k, v);
   }
   void attend(int layer, int pos, const float* q, int n_heads, float* out) override {
-    inner_.attend(layer, pos, q, n_heads, out);
+    inner().attend(layer, pos, q, n_heads, out);
   }
   void measure() {
-    const auto r = inner_.cache().memory_report();
-    if (r.elements() == 0) return;
-    peak_bytes_ = std::max(peak_bytes_, r.total());
-    sum_bytes_ += static_cast<double>(r.total());
-    sum_elements_ += static_cast<double>(r.elements());
+    std::size_t bytes = 0, elements = 0;
+    if (sim_) {
+      bytes = sim_->bytes();
+      elements = sim_->elements();
+    } else {
+      const auto r = cache_->cache().memory_report();
+      bytes = r.total();
+      elements = r.elements();
+    }
+    if (elements == 0) return;
+    peak_bytes_ = std::max(peak_bytes_, bytes);
+    sum_bytes_ += static_cast<double>(bytes);
+    sum_elements_ += static_cast<double>(elements);
   }
   std::size_t peak_bytes() const { return peak_bytes_; }
   double effective_bits() const { return sum_elements_ > 0 ? 8.0 * sum_bytes_ / sum_elements_ : 0; }
 
  private:
-  kvq::CacheBackend inner_;
+  kvq::eval::KVBackend& inner() {
+    return sim_ ? static_cast<kvq::eval::KVBackend&>(*sim_) : *cache_;
+  }
+  std::unique_ptr<kvq::CacheBackend> cache_;
+  std::unique_ptr<kvq::SimulatedBackend> sim_;
   std::size_t peak_bytes_ = 0;
   double sum_bytes_ = 0, sum_elements_ = 0;
 };
@@ -59,7 +84,10 @@ class MeasuringBackend final : public kvq::eval::KVBackend {
 void usage() {
   std::fprintf(stderr,
                "usage: kvq_perplexity [--model M] [--tokenizer T] [--text F] "
-               "[--policy SPEC[;SPEC...]] [--json] [--max-seqs N] [--seq-len N]\n"
+               "[--policy SPEC[;SPEC...]] [--json] [--max-seqs N] [--seq-len N] [--simulate]\n"
+               "--simulate: quantize each key/value scale group as soon as it is complete (keys\n"
+               "  and values independently; simulated quantization, the reference table's rule)\n"
+               "  instead of the streaming cache's shared blocks\n"
                "defaults: %s/data/stories260K/{stories260K.bin,tok512.bin,tinystories-dev.txt}, "
                "policy f32\n",
                KVQ_SHARED_DIR);
@@ -82,7 +110,7 @@ int main(int argc, char** argv) {
   const std::string base = std::string(KVQ_SHARED_DIR) + "/data/stories260K/";
   std::string model_path = base + "stories260K.bin", tok_path = base + "tok512.bin",
               text_path = base + "tinystories-dev.txt", policy_arg = "f32";
-  bool json = false;
+  bool json = false, simulate = false;
   kvq::eval::EvalOptions opt;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -98,6 +126,7 @@ int main(int argc, char** argv) {
     else if (a == "--text") text_path = next();
     else if (a == "--policy") policy_arg = next();
     else if (a == "--json") json = true;
+    else if (a == "--simulate") simulate = true;
     else if (a == "--max-seqs") opt.max_sequences = parse_count(a, next());
     else if (a == "--seq-len") opt.max_seq_len = parse_count(a, next());
     else if (a == "-h" || a == "--help") {
@@ -126,7 +155,7 @@ int main(int argc, char** argv) {
     std::vector<kvq_tools::Row> rows;
     for (const kvq::Policy& p : policies) {
       std::fprintf(stderr, "kvq_perplexity: %s ...\n", p.spec().c_str());
-      MeasuringBackend be(p, geo);
+      MeasuringBackend be(p, geo, simulate);
       kvq::eval::EvalOptions popt = opt;
       popt.reference_trace = &trace;
       const auto r = kvq::eval::evaluate_text(model, tok, be, lines, popt);
@@ -146,13 +175,18 @@ int main(int argc, char** argv) {
         {"tool", "kvq_perplexity"},
         {"model", model_path},
         {"text", text_path},
-        {"reference_perplexity", kvq_tools::json_number(r0.test.perplexity())}};
+        {"cache", simulate ? "simulated (each group quantized when complete)" : "streaming KVCache"},
+        {"reference_perplexity", kvq_tools::raw_json(kvq_tools::json_number(r0.test.perplexity()))},
+        {"reference_tokens", kvq_tools::raw_json(std::to_string(r0.test.tokens))}};
     if (json) {
       std::fputs(kvq_tools::to_json(rows, meta).c_str(), stdout);
     } else {
       std::printf("model %s, text %s: %lld tokens, f32 reference perplexity %.4f\n",
                   model_path.c_str(), text_path.c_str(),
                   static_cast<long long>(r0.test.tokens), r0.test.perplexity());
+      std::printf("cache: %s\n", simulate ? "simulated quantization (each key/value group "
+                                            "quantized as soon as it is complete)"
+                                          : "kvq streaming KVCache");
       std::printf("cache_bytes = peak over sequences (largest sequence); effective_bits = "
                   "bits per cached K/V value over all sequences, metadata and f32 windows "
                   "included\n\n");

@@ -99,12 +99,23 @@ inline std::string json_number(double v) {
   return os.str();
 }
 
-/// JSON: {"<meta key>": ..., "results": [ {row}, ... ]}.
+/// Marks a meta value as raw JSON (a number, true/false) instead of a string.
+inline std::string raw_json(const std::string& v) { return "\x01" + v; }
+
+/// JSON: {"<meta key>": ..., "results": [ {row}, ... ]}. Meta values are strings unless made
+/// with raw_json().
 inline std::string to_json(const std::vector<Row>& rows,
                            const std::vector<std::pair<std::string, std::string>>& meta) {
   std::ostringstream os;
   os << "{\n";
-  for (auto& [k, v] : meta) os << "  \"" << json_escape(k) << "\": \"" << json_escape(v) << "\",\n";
+  for (auto& [k, v] : meta) {
+    os << "  \"" << json_escape(k) << "\": ";
+    if (!v.empty() && v[0] == '\x01') {
+      os << v.substr(1) << ",\n";
+    } else {
+      os << "\"" << json_escape(v) << "\",\n";
+    }
+  }
   os << "  \"results\": [\n";
   for (size_t i = 0; i < rows.size(); ++i) {
     os << "    {";

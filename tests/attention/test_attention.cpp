@@ -3,6 +3,8 @@
 // the KVBackend adapter drives the real model.
 #include <gtest/gtest.h>
 
+#include "stories_data.hpp"
+
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -283,7 +285,7 @@ TEST(CacheBackend, MatchesFp32BackendUnderF32AndStaysCloseUnderKivi4) {
 /// at most 512 tokens per line, every next-token prediction counted).
 double perplexity(kvq::eval::Llama2cModel& model, const kvq::eval::Tokenizer& tok,
                   kvq::eval::KVBackend& kv, int lines) {
-  std::ifstream in(std::string(KVQ_SHARED_DIR) + "/data/stories260K/tinystories-dev.txt");
+  std::ifstream in(kvq_test::text_path());
   std::string line;
   double nll = 0;
   int64_t count = 0;
@@ -306,8 +308,8 @@ double perplexity(kvq::eval::Llama2cModel& model, const kvq::eval::Tokenizer& to
 }
 
 TEST(CacheBackend, RealModelPerplexityUnderPolicies) {
-  const std::string dir = std::string(KVQ_SHARED_DIR) + "/data/stories260K/";
-  if (!std::ifstream(dir + "stories260K.bin").good()) GTEST_SKIP() << "no model at " << dir;
+  KVQ_REQUIRE_STORIES();
+  const std::string dir = kvq_test::stories_dir() + "/";
   kvq::eval::Llama2cModel model(dir + "stories260K.bin");
   const kvq::eval::Tokenizer tok(dir + "tok512.bin", model.config().vocab_size);
   const kvq::eval::KVGeometry g = model.kv_geometry();

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include "stories_data.hpp"
+
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -28,19 +30,9 @@ namespace {
 // Helpers
 // ---------------------------------------------------------------------------------------------
 
-std::string shared_dir() {
-#ifdef KVQ_SHARED_DIR
-  return KVQ_SHARED_DIR;
-#else
-  if (const char* e = std::getenv("KVQ_SHARED_DIR")) return e;
-  return "../shared";
-#endif
-}
-
-std::string stories_dir() { return shared_dir() + "/data/stories260K"; }
-std::string model_path() { return stories_dir() + "/stories260K.bin"; }
-std::string tokenizer_path() { return stories_dir() + "/tok512.bin"; }
-std::string text_path() { return stories_dir() + "/tinystories-dev.txt"; }
+using kvq_test::model_path;
+using kvq_test::text_path;
+using kvq_test::tokenizer_path;
 
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer)
@@ -50,35 +42,6 @@ std::string text_path() { return stories_dir() + "/tinystories-dev.txt"; }
 #ifndef KVQ_TEST_HAS_ASAN
 #define KVQ_TEST_HAS_ASAN 0
 #endif
-
-bool file_exists(const std::string& p) { return std::ifstream(p, std::ios::binary).good(); }
-
-/// Empty when the stories260K files are present, else a message naming the missing path.
-std::string missing_data() {
-  for (const std::string& p : {model_path(), tokenizer_path(), text_path()}) {
-    if (!file_exists(p)) {
-      return "shared data file '" + p +
-             "' not found (set KVQ_SHARED_DIR to the directory holding data/stories260K)";
-    }
-  }
-  return "";
-}
-
-bool on_ci() {
-  const char* ci = std::getenv("CI");
-  return ci != nullptr && std::string(ci) == "true";
-}
-
-// On CI a missing data directory is a failure (the suite would silently test nothing);
-// elsewhere it is a skip.
-#define KVQ_REQUIRE_STORIES()                \
-  do {                                       \
-    const std::string why_ = missing_data(); \
-    if (!why_.empty()) {                     \
-      if (on_ci()) FAIL() << why_;           \
-      GTEST_SKIP() << why_;                  \
-    }                                        \
-  } while (0)
 
 /// The real model and tokenizer, loaded once per process.
 struct Stories {

@@ -96,6 +96,46 @@ TEST(LloydMaxGaussian, MatchesReferenceTable) {
   }
 }
 
+// The same table read literally: every computed value, rounded to the decimals the table
+// prints, is the printed value (4 decimals; the 3-bit MSE is printed with 5). The computed
+// values are recorded for docs/rotation.md.
+TEST(LloydMaxGaussian, RoundsToReferenceTableDigits) {
+  auto rounds_to = [](double v, double printed, int decimals) {
+    const double p = std::pow(10.0, decimals);
+    return std::llround(v * p) == std::llround(printed * p);
+  };
+  const std::vector<std::vector<double>> centroids = {
+      {0.7979},
+      {0.4528, 1.5104},
+      {0.2451, 0.7560, 1.3439, 2.1519},
+      {0.1284, 0.3880, 0.6568, 0.9423, 1.2562, 1.6180, 2.0690, 2.7326}};
+  const std::vector<std::vector<double>> thresholds = {
+      {0.0}, {0.9816}, {0.5005, 1.0500, 1.7479}, {}};
+  const double mse[] = {0.3634, 0.1175, 0.03455, 0.0095};
+  const int mse_decimals[] = {4, 4, 5, 4};
+  for (int b = 1; b <= 4; ++b) {
+    const Codebook& cb = kvq::lloyd_max_gaussian(b);
+    const int half = cb.levels() / 2;
+    std::string rec = "centroids";
+    for (int i = 0; i < half; ++i) {
+      const double c = cb.centroids[half + i];
+      EXPECT_TRUE(rounds_to(c, centroids[b - 1][i], 4)) << "b=" << b << " c" << i << " = " << c;
+      rec += kvq::detail::cat(" ", c);
+    }
+    rec += " thresholds";
+    for (int i = 0; i + 1 < half; ++i) {
+      const double t = cb.thresholds[half + i];
+      if (!thresholds[b - 1].empty() && b > 1) {
+        EXPECT_TRUE(rounds_to(t, thresholds[b - 1][i], 4)) << "b=" << b << " t" << i << " = " << t;
+      }
+      rec += kvq::detail::cat(" ", t);
+    }
+    EXPECT_TRUE(rounds_to(cb.mse, mse[b - 1], mse_decimals[b - 1])) << "b=" << b << " " << cb.mse;
+    rec += kvq::detail::cat(" mse ", cb.mse);
+    RecordProperty("b" + std::to_string(b), rec);
+  }
+}
+
 TEST(LloydMaxGaussian, SatisfiesLloydConditionsIndependently) {
   // Centroid = conditional mean of its cell, MSE = integral of the error, both recomputed with
   // composite Simpson on the pdf (not the library's erfc closed forms).
@@ -220,6 +260,39 @@ TEST(LloydMaxSphere, MeasuredUnitVectorDistortionMatchesTheory) {
     EXPECT_LE(theory, std::sqrt(3.0) * kPi / 2 * std::pow(4.0, -b));
     RecordProperty("b" + std::to_string(b), kvq::detail::cat("measured ", measured, " theory ",
                                                              theory, " gaussian ", gauss));
+  }
+}
+
+// What the exact sphere codebook buys over the Gaussian one scaled by 1/sqrt(d), and the
+// per-vector distortion d * mse by dimension (recorded for docs/rotation.md). Expected MSE of
+// the scaled Gaussian codebook under the sphere density by composite Simpson.
+TEST(LloydMaxSphere, GaussianCodebookCostAndDistortionByDimension) {
+  for (int d : {8, 16, 64, 128, 256}) {
+    const double alpha = 0.5 * (d - 3);
+    auto f = [alpha](double x) { return std::pow(1.0 - x * x, alpha); };
+    const double z = simpson(f, -1.0, 1.0, 200000);
+    std::string rec;
+    for (int b = 1; b <= 4; ++b) {
+      const Codebook& g = kvq::lloyd_max_gaussian(b);
+      const Codebook& sph = kvq::lloyd_max_sphere(d, b);
+      const int l = g.levels();
+      const double unit = 1.0 / std::sqrt(static_cast<double>(d));
+      double mse = 0.0;
+      for (int k = 0; k < l; ++k) {
+        const double lo = k == 0 ? -1.0 : std::max(-1.0, g.thresholds[k - 1] * unit);
+        const double hi = k == l - 1 ? 1.0 : std::min(1.0, g.thresholds[k] * unit);
+        if (!(hi > lo)) continue;
+        const double c = g.centroids[k] * unit;
+        mse += simpson([&](double x) { return (x - c) * (x - c) * f(x); }, lo, hi, 20000);
+      }
+      mse /= z;
+      const double ratio = mse / sph.mse;
+      EXPECT_GE(ratio, 1.0 - 1e-6) << "Lloyd-Max is optimal for its density: d=" << d << " b=" << b;
+      if (d == 128) EXPECT_LT(ratio, 1.01) << "b=" << b;
+      rec += kvq::detail::cat(b > 1 ? " | " : "", "b", b, " d*mse ", d * sph.mse,
+                              " gaussian_codebook_ratio ", ratio);
+    }
+    RecordProperty("d" + std::to_string(d), rec);
   }
 }
 

@@ -161,6 +161,8 @@ void expect_orthonormal(const Rotation& r) {
     }
   }
   EXPECT_LE(worst, 1e-6) << to_string(r.kind()) << " d=" << d;
+  ::testing::Test::RecordProperty(std::string(to_string(r.kind())) + "_d" + std::to_string(d),
+                                  kvq::detail::cat("max |R^T R - I| ", worst));
 }
 
 TEST(Rotation, HadamardIsOrthonormal) {
@@ -509,6 +511,9 @@ TEST(RotationQuality, HadamardEqualsDenseOnIsotropicData) {
       const double h = distortion(yh, d, nullptr, cb);
       const double q = distortion(yq, d, nullptr, cb);
       EXPECT_NEAR(h / q, 1.0, 0.025) << "d=" << d << " b=" << b;
+      RecordProperty("d" + std::to_string(d) + "_b" + std::to_string(b),
+                     kvq::detail::cat("theory ", d * cb.mse, " hadamard ", h, " dense ", q,
+                                      " ratio ", h / q));
     }
   }
 }

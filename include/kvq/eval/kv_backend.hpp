@@ -264,6 +264,28 @@ class Fp32Backend final : public KVBackend {
     }
   }
 
+  /// Overwrites the post-RoPE keys of tokens [first, first + k.tokens()) of `layer` (tokens it
+  /// already holds) with `k`, e.g. their quantized-then-dequantized values: simulated
+  /// quantization on top of the exact attention code. Pre-RoPE keys are left as they were.
+  void overwrite_keys(int layer, int first, const KVView<const float>& k) {
+    check_overwrite(layer, first, k, "overwrite_keys");
+    const int64_t ld = g_.max_tokens;
+    for (int64_t t = 0; t < k.tokens(); ++t)
+      for (int h = 0; h < g_.n_kv_heads; ++h) {
+        float* kt = k_.data() + head_offset(layer, h) + first + t;
+        for (int d = 0; d < g_.head_dim; ++d) kt[d * ld] = k.at(t, h, d);
+      }
+  }
+  /// Overwrites the values of tokens [first, first + v.tokens()) of `layer`.
+  void overwrite_values(int layer, int first, const KVView<const float>& v) {
+    check_overwrite(layer, first, v, "overwrite_values");
+    for (int64_t t = 0; t < v.tokens(); ++t)
+      for (int h = 0; h < g_.n_kv_heads; ++h) {
+        float* row = v_.data() + head_offset(layer, h) + static_cast<size_t>(first + t) * g_.head_dim;
+        for (int d = 0; d < g_.head_dim; ++d) row[d] = v.at(t, h, d);
+      }
+  }
+
   /// Tokens currently held by `layer`.
   int tokens(int layer) const {
     check_layer(layer);
@@ -287,6 +309,16 @@ class Fp32Backend final : public KVBackend {
   void check_layer(int layer) const {
     KVQ_REQUIRE(layer >= 0 && layer < g_.n_layers, kInvalidArgument, "Fp32Backend: layer ", layer,
                 " out of range [0, ", g_.n_layers, ")");
+  }
+  void check_overwrite(int layer, int first, const KVView<const float>& x, const char* what) const {
+    check_layer(layer);
+    const int n = length_[static_cast<size_t>(layer)];
+    KVQ_REQUIRE(x.heads() == g_.n_kv_heads && x.head_dim() == g_.head_dim, kShapeMismatch,
+                "Fp32Backend::", what, ": got ", x.shape().str(), ", layer ", layer, " has ",
+                g_.n_kv_heads, " kv heads of ", g_.head_dim);
+    KVQ_REQUIRE(first >= 0 && x.tokens() <= n - first, kOutOfRange, "Fp32Backend::", what,
+                ": tokens [", first, ", ", first + x.tokens(), ") of layer ", layer, " but it holds ",
+                n);
   }
   /// First float of (layer, kv_head) in any of the three buffers (each head owns a
   /// max_tokens * head_dim block).

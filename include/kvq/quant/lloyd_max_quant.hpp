@@ -72,6 +72,12 @@ inline void check_lloyd_max(const QuantConfig& cfg, const Shape& s) {
               s.head_dim, " in ", s.str());
 }
 
+inline double sum_sq_d(const float* a, int64_t n) {
+  double acc = 0;
+  for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(a[i]) * a[i];
+  return acc;
+}
+
 inline float dot_f(const float* a, const float* b, int64_t n) {
   double acc = 0;
   for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(a[i]) * b[i];
@@ -109,12 +115,20 @@ void quantize_lloyd_max(const QuantConfig& cfg, const KVView<const T>& x, QTenso
       const float* row = detail::load_row(x, t, h, buf.data());
       float lo = INFINITY, hi = -INFINITY;
       if (!kernels::minmax(row, D, lo, hi)) detail::throw_non_finite_row(x, t, h, "quantize");
-      const float norm = q.norms.set(v, static_cast<float>(std::sqrt(
-                                            static_cast<double>(detail::dot_f(row, row, D)))));
+      // Sum of squares and root in double: a float sum would overflow for norms above ~1.8e19
+      // that f32 metadata can hold.
+      const float norm = q.norms.set(v, static_cast<float>(std::sqrt(detail::sum_sq_d(row, D))));
       KVQ_REQUIRE(std::isfinite(norm), kOutOfRange, "norm of vector (token=", t, ", head=", h,
-                  ") overflows ", to_string(cfg.meta), " metadata; use f32 metadata");
+                  ") overflows ", to_string(cfg.meta), " metadata",
+                  cfg.meta == MetaDType::kF16 ? "; use f32 metadata" : "");
       const float inv = norm > 0.f ? 1.0f / norm : 0.f;
-      for (int i = 0; i < D; ++i) u[static_cast<std::size_t>(i)] = row[i] * inv;
+      if (std::isfinite(inv)) {
+        for (int i = 0; i < D; ++i) u[static_cast<std::size_t>(i)] = row[i] * inv;
+      } else {  // subnormal f32 norm: 1/norm overflows, so divide (rare, off the hot path)
+        for (int i = 0; i < D; ++i)
+          u[static_cast<std::size_t>(i)] =
+              static_cast<float>(static_cast<double>(row[i]) / static_cast<double>(norm));
+      }
       ctx.rotation.apply(u.data());
       ctx.codebook->encode(u.data(), codes.data(), D);
       kernels::pack_codes(codes.data(), static_cast<std::size_t>(D), cfg.bits, q.codes.data(),
