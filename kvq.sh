@@ -3,7 +3,9 @@
 #   ./kvq.sh compare [args]  install what is missing, build, run the geometry-vs-bits comparison
 #   ./kvq.sh test            install what is missing, build, run the whole test suite (ctest),
 #                            then again under AddressSanitizer + UndefinedBehaviorSanitizer
-#   ./kvq.sh bench [args]    build and run kvq_bench (Google Benchmark; args passed through)
+#   ./kvq.sh bench [args]    build and run kvq_bench (Google Benchmark; args passed through),
+#                            5 repetitions, JSON in $build/bench.json, then the median / ratio
+#                            to BM_Memcpy table (kvq_bench_report)
 #   ./kvq.sh build           install what is missing and build only
 # Environment: KVQ_BUILD_DIR (default build), KVQ_JOBS (default nproc),
 #              KVQ_SKIP_SANITIZE=1 skips the sanitizer pass of `test`.
@@ -49,7 +51,9 @@ case "$cmd" in
   bench)
     need_pkgs
     configure_build "$build"
-    "$build/bench/kvq_bench" "$@"
+    "$build/bench/kvq_bench" --benchmark_repetitions=5 --benchmark_out="$build/bench.json" \
+      --benchmark_out_format=json "$@"
+    "$build/bench/kvq_bench_report" "$build/bench.json"
     ;;
   test)
     need_pkgs

@@ -107,32 +107,26 @@ int register_all() {
   for (int bits : {2, 3, 4}) {
     const std::string tail = "lm" + std::to_string(bits) + "/rot/f32";
     benchmark::RegisterBenchmark(("BM_Quantize/" + tail).c_str(), BM_QuantizeCfg, lm_cfg(bits))
-        ->Unit(benchmark::kMillisecond)
-        ->UseRealTime();
+        ->Unit(benchmark::kMillisecond);
     benchmark::RegisterBenchmark(("BM_Dequantize/" + tail).c_str(), BM_DequantizeCfg,
                                  lm_cfg(bits))
-        ->Unit(benchmark::kMillisecond)
-        ->UseRealTime();
+        ->Unit(benchmark::kMillisecond);
   }
   for (int bits : {2, 4, 8}) {
     for (kvq::Axis axis : {kvq::Axis::kToken, kvq::Axis::kChannel}) {
       const std::string tail = "int" + std::to_string(bits) + "/" + kvq::to_string(axis);
       benchmark::RegisterBenchmark(("BM_Quantize/" + tail + "/f32").c_str(), BM_Quantize<float>,
                                    bits, axis)
-          ->Unit(benchmark::kMillisecond)
-          ->UseRealTime();
+          ->Unit(benchmark::kMillisecond);
       benchmark::RegisterBenchmark(("BM_Quantize/" + tail + "/f16").c_str(),
                                    BM_Quantize<kvq::f16>, bits, axis)
-          ->Unit(benchmark::kMillisecond)
-          ->UseRealTime();
+          ->Unit(benchmark::kMillisecond);
       benchmark::RegisterBenchmark(("BM_Dequantize/" + tail + "/f32").c_str(),
                                    BM_Dequantize<float>, bits, axis)
-          ->Unit(benchmark::kMillisecond)
-          ->UseRealTime();
+          ->Unit(benchmark::kMillisecond);
       benchmark::RegisterBenchmark(("BM_Dequantize/" + tail + "/f16").c_str(),
                                    BM_Dequantize<kvq::f16>, bits, axis)
-          ->Unit(benchmark::kMillisecond)
-          ->UseRealTime();
+          ->Unit(benchmark::kMillisecond);
     }
   }
   return 0;

@@ -2,7 +2,7 @@
 // randomized Hadamard rotation (signs + FWHT, and the two-stage scheme for 80/96/192), and the
 // dense O(d^2) rotation for comparison. Items = vectors, so items_per_second gives ns/vector.
 //
-//   kvq_bench --benchmark_filter=Fwht --benchmark_repetitions=5 \
+//   kvq_bench --benchmark_filter=Fwht --benchmark_repetitions=5
 //             --benchmark_report_aggregates_only=true
 #include <benchmark/benchmark.h>
 

@@ -288,7 +288,9 @@ TEST(LloydMaxSphere, GaussianCodebookCostAndDistortionByDimension) {
       mse /= z;
       const double ratio = mse / sph.mse;
       EXPECT_GE(ratio, 1.0 - 1e-6) << "Lloyd-Max is optimal for its density: d=" << d << " b=" << b;
-      if (d == 128) EXPECT_LT(ratio, 1.01) << "b=" << b;
+      if (d == 128) {
+        EXPECT_LT(ratio, 1.002) << "b=" << b;  // measured at most 1.0011 (b = 4)
+      }
       rec += kvq::detail::cat(b > 1 ? " | " : "", "b", b, " d*mse ", d * sph.mse,
                               " gaussian_codebook_ratio ", ratio);
     }

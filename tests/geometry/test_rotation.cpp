@@ -518,6 +518,64 @@ TEST(RotationQuality, HadamardEqualsDenseOnIsotropicData) {
   }
 }
 
+// Why the non-power-of-two scheme has two stages (docs/rotation.md): one block-diagonal stage
+// Hb D1 keeps every channel's energy inside its block of B coordinates, so a block that holds
+// more of the energy has wider coordinates than the codebook assumes. Built here as a dense
+// matrix (Rotation::from_matrix) and compared with the two-stage Hadamard on unit vectors of
+// two kinds, mean over 4 seeds: "spikes", 1-3 channels at 12x (as above); "block", the first
+// B channels at 3x (energy concentrated in one first-stage block). Two stages must win on
+// "block" and must not lose by more than 5% on "spikes".
+TEST(RotationQuality, TwoStagesVersusOneBlockStage) {
+  const int n = 2000, seeds = 4;
+  for (int d : {80, 96, 192}) {
+    const int block = Rotation::hadamard(d, 1).block();
+    for (bool concentrated : {false, true}) {
+      std::vector<int> boosted;
+      if (concentrated) {
+        for (int c = 0; c < block; ++c) boosted.push_back(c);
+      } else {
+        for (int k = 0; k < std::max(1, 2 * d / 128); ++k) boosted.push_back((37 * k + 3) % d);
+      }
+      const std::vector<float> x = unit_vectors(n, d, boosted, concentrated ? 3.f : 12.f, 41 + d);
+      double one[5] = {}, two[5] = {};
+      for (int s = 1; s <= seeds; ++s) {
+        // One stage: column j of Hb D1 is sign1[j] * (block column of H) / sqrt(B).
+        const Rotation two_stage = Rotation::hadamard(d, 1000 + s);
+        std::vector<float> q(static_cast<size_t>(d) * d, 0.f);
+        const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(block)));
+        for (int o = 0; o < d; o += block) {
+          for (int i = 0; i < block; ++i) {
+            for (int j = 0; j < block; ++j) {
+              q[static_cast<size_t>(o + i) * d + o + j] =
+                  kvq::ref::hadamard_entry_ref(i, j) * scale * two_stage.signs()[o + j];
+            }
+          }
+        }
+        const Rotation one_stage = Rotation::from_matrix(d, 1000 + s, q);
+        std::vector<float> y1 = x, y2 = x;
+        one_stage.apply_batch(y1.data(), n);
+        two_stage.apply_batch(y2.data(), n);
+        for (int b = 1; b <= 4; ++b) {
+          one[b] += distortion(y1, d, nullptr, kvq::lloyd_max_sphere(d, b)) / seeds;
+          two[b] += distortion(y2, d, nullptr, kvq::lloyd_max_sphere(d, b)) / seeds;
+        }
+      }
+      const std::string data = concentrated ? "block" : "spikes";
+      for (int b = 1; b <= 4; ++b) {
+        const double theory = d * kvq::lloyd_max_sphere(d, b).mse;
+        if (concentrated) {
+          EXPECT_LT(two[b], one[b]) << data << " d=" << d << " b=" << b;
+        } else {
+          EXPECT_LT(two[b], 1.05 * one[b]) << data << " d=" << d << " b=" << b;
+        }
+        RecordProperty(data + "_d" + std::to_string(d) + "_b" + std::to_string(b),
+                       kvq::detail::cat("theory ", theory, " one_stage ", one[b], " two_stage ",
+                                        two[b], " one/two ", one[b] / two[b]));
+      }
+    }
+  }
+}
+
 }  // namespace
 
 TEST(Rotation, FromMatrixChecksShapeFinitenessAndOrthonormality) {

@@ -18,7 +18,11 @@
 /// the price of variance that a softmax turns into attention error (why vLLM dropped it).
 /// lm<b>/qjl costs b + 1 bits per value plus two norms per vector.
 ///
-/// Zero vectors: n = 0 reconstructs exactly to 0. Non-finite input: kvq::Error(kNonFinite).
+/// Zero vectors: n = 0 reconstructs exactly to 0 (QJL included). Non-finite input:
+/// kvq::Error(kNonFinite). fp16 norms: a norm that rounds to infinity (>= 65520) is
+/// kvq::Error(kOutOfRange) (use f32 metadata); a norm at or below 2^-25 rounds to 0 and the vector
+/// reconstructs to 0; below 2^-14 the norm is an fp16 subnormal and loses relative precision.
+/// f32 norms cover every finite vector (sum of squares in double). docs/rotation.md.
 #include <cmath>
 #include <cstdint>
 #include <memory>
