@@ -29,11 +29,16 @@ need_pkgs() {
   fi
 }
 
-configure_build() {  # dir, extra cmake args...
+configure_build() {  # dir, extra cmake args...   (KVQ_TARGETS: build only these targets)
   local dir=$1
   shift
   cmake -S "$here" -B "$dir" -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
-  cmake --build "$dir" -j "$jobs"
+  if [ -n "${KVQ_TARGETS:-}" ]; then
+    # shellcheck disable=SC2086
+    cmake --build "$dir" -j "$jobs" --target $KVQ_TARGETS
+  else
+    cmake --build "$dir" -j "$jobs"
+  fi
 }
 
 cmd=${1:-compare}
@@ -45,12 +50,12 @@ case "$cmd" in
     ;;
   compare)
     need_pkgs
-    configure_build "$build"
+    KVQ_TARGETS=kvq_compare configure_build "$build"
     "$build/examples/kvq_compare" "$@"
     ;;
   bench)
     need_pkgs
-    configure_build "$build"
+    KVQ_TARGETS="kvq_bench kvq_bench_report" configure_build "$build"
     "$build/bench/kvq_bench" --benchmark_repetitions=5 --benchmark_out="$build/bench.json" \
       --benchmark_out_format=json "$@"
     "$build/bench/kvq_bench_report" "$build/bench.json"

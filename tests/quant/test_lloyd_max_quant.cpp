@@ -420,9 +420,10 @@ void softmax(std::vector<double>& v) {
 // query = half of one key plus Gaussian noise (every row has a target and a spread tail), at
 // two logit scales (flatter: 1/(4 sqrt(d)), peakier: 1/(2 sqrt(d))). Scores come from the
 // rotated-query path (lloyd_max_scores). Metrics: mean KL(p || p') and mean total variation
-// 1/2 sum |p - p'| over rows. Measured (docs/rotation.md): QJL helps only at 1 bit; from 2 bits
-// on it makes the weights worse than the plain quantizer of the SAME width, although it costs
-// one more bit per value, and at equal bits (lm(b+1) vs lm(b)+QJL) it always loses.
+// 1/2 sum |p - p'| over rows. Measured (docs/rotation.md): QJL can help only at 1 bit (flatter
+// logits; mixed at the peakier scale); from 2 bits on it makes the weights worse than the plain
+// quantizer of the SAME width, although it costs one more bit per value, and at equal bits
+// (lm(b+1) vs lm(b)+QJL) it always loses.
 TEST(LloydMaxQuant, QjlSoftmaxWeightError) {
   const int64_t d = 128, T = 512, Q = 16, trials = 4;
   const Shape s{T, 1, d};

@@ -47,7 +47,7 @@ struct LloydMaxContext {
   int bits;
   Rotation rotation;
   const Codebook* codebook;
-  std::vector<float> qjl;  ///< S, [d, d] row-major, N(0, 1) entries (only built on demand)
+  std::vector<float> qjl;  ///< S, [d, d] row-major, N(0, 1) entries (built with the context)
 
   LloydMaxContext(int d, int b, uint64_t seed)
       : dim(d), bits(b), rotation(Rotation::hadamard(d, seed)), codebook(&lloyd_max_sphere(d, b)) {
