@@ -21,8 +21,11 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #include "kvq/accounting/accountant.hpp"
 #include "kvq/cache/cache_backend.hpp"
@@ -116,13 +119,14 @@ Input synthetic_input(const kvq::eval::SyntheticSpec& spec) {
   in.description = "SYNTHETIC (kvq built-in generator: keys with fixed outlier channels + RoPE, "
                    "values without), " +
                    std::to_string(spec.layers) + " layers x " + in.shape.str();
-  in.query_source = "synthetic queries (one per layer, at the last position)";
+  in.query_source = "synthetic queries (last " + std::to_string(spec.queries) +
+                    " positions, causal)";
   for (auto& L : kvq::eval::make_synthetic_kv(spec)) {
     Layer l;
     l.k = std::move(L.k);
     l.v = std::move(L.v);
     l.q = std::move(L.q);
-    l.nq = 1;
+    l.nq = spec.queries;
     in.layers.push_back(std::move(l));
   }
   return in;
@@ -278,8 +282,11 @@ kvq_tools::Row evaluate_scheme(const Scheme& sc, const Input& in) {
       ++nmeas;
     }
   }
-  KVQ_REQUIRE(bytes == acct, kInvalidArgument, "kvq_compare: internal error: ", sc.name,
-              " packed ", bytes, " bytes but the accountant says ", acct);
+  if (bytes != acct) {  // a logic_error, not a kvq::Error: never mistaken for a skipped scheme
+    throw std::logic_error("kvq_compare: internal error: " + sc.name + " packed " +
+                           std::to_string(bytes) + " bytes but the accountant says " +
+                           std::to_string(acct));
+  }
   const double n = static_cast<double>(in.layers.size());
   const double m = static_cast<double>(std::max<int64_t>(nmeas, 1));
   kvq_tools::Row r;
@@ -313,9 +320,23 @@ void usage(const char* argv0) {
                "                        a llama2.c model: tensor errors on its real K/V/Q, plus\n"
                "                        perplexity and KL over F per scheme (tokenizer and text\n"
                "                        default to %s/data/stories260K/)\n"
-               "  --queries N           query positions per layer for --dump / --model (16)\n"
+               "  --queries N           query positions per layer (the last N, causal; default 16)\n"
                "Writes DIR/compare.{csv,json,svg} (DIR defaults to kvq_compare_out).\n",
                argv0, KVQ_SHARED_DIR);
+}
+
+/// Progress on stderr: a rewritten line on a terminal, a line per quarter of the work otherwise
+/// (logs stay readable).
+const bool kStderrIsTty = isatty(2) != 0;
+void progress(const char* what, size_t i, size_t n, const std::string& name) {
+  if (kStderrIsTty) {
+    std::fprintf(stderr, "\r[%s%zu/%zu] %-56s", what, i + 1, n, name.c_str());
+  } else if (i == 0 || (4 * i) / n != (4 * (i + 1)) / n) {
+    std::fprintf(stderr, "kvq_compare: %s%zu/%zu schemes\n", what, i + 1, n);
+  }
+}
+void progress_done() {
+  if (kStderrIsTty) std::fprintf(stderr, "\r%-72s\r", "");
 }
 
 int parse_int(const char* flag, const char* v, int min = 1) {
@@ -332,6 +353,7 @@ int parse_int(const char* flag, const char* v, int min = 1) {
 
 int main(int argc, char** argv) {
   kvq::eval::SyntheticSpec spec;
+  spec.queries = 16;
   const std::string base = std::string(KVQ_SHARED_DIR) + "/data/stories260K/";
   std::string out_dir = "kvq_compare_out", dump_path, model_path, tok_path = base + "tok512.bin",
               text_path = base + "tinystories-dev.txt";
@@ -363,7 +385,7 @@ int main(int argc, char** argv) {
     else if (a == "--model") model_path = next();
     else if (a == "--tokenizer") tok_path = next();
     else if (a == "--text") text_path = next();
-    else if (a == "--queries") n_queries = parse_int("--queries", next());
+    else if (a == "--queries") n_queries = spec.queries = parse_int("--queries", next());
     else if (a == "--max-seqs") max_seqs = parse_int("--max-seqs", next(), 0);
     else if (a == "--no-perplexity") perplexity = false;
     else if (a == "--json") json_stdout = true;
@@ -399,14 +421,30 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr, "kvq_compare: input: %s\nkvq_compare: attention measured with %s\n",
                  in.description.c_str(), in.query_source.c_str());
-    const auto grid = default_grid();
+    const auto full_grid = default_grid();
+    std::vector<Scheme> grid;
     std::vector<kvq_tools::Row> rows;
-    for (size_t si = 0; si < grid.size(); ++si) {
-      std::fprintf(stderr, "\r[%zu/%zu] %-56s", si + 1, grid.size(), grid[si].name.c_str());
-      rows.push_back(evaluate_scheme(grid[si], in));
-      rows.back().text.push_back({"spec", scheme_spec(grid[si])});
+    std::vector<std::string> skipped;
+    for (size_t si = 0; si < full_grid.size(); ++si) {
+      progress("", si, full_grid.size(), full_grid[si].name);
+      try {
+        rows.push_back(evaluate_scheme(full_grid[si], in));
+      } catch (const kvq::Error& e) {
+        // A scheme whose groups do not fit this shape (e.g. a 64-channel token group at
+        // head_dim 96) is left out, and the output says so.
+        if (e.kind() != kvq::ErrorKind::kShapeMismatch &&
+            e.kind() != kvq::ErrorKind::kInvalidArgument && e.kind() != kvq::ErrorKind::kUnsupported)
+          throw;
+        skipped.push_back(full_grid[si].name + ": " + e.what());
+        continue;
+      }
+      rows.back().text.push_back({"spec", scheme_spec(full_grid[si])});
+      grid.push_back(full_grid[si]);
     }
-    std::fprintf(stderr, "\r%-70s\r", "");
+    progress_done();
+    for (const std::string& why : skipped)
+      std::fprintf(stderr, "kvq_compare: skipped %s\n", why.c_str());
+    if (rows.empty()) throw std::runtime_error("no scheme of the grid fits this input's shape");
 
     // Real model: perplexity and KL of the next-token distribution with the cache under each
     // scheme, against one recorded f32 run.
@@ -424,8 +462,7 @@ int main(int argc, char** argv) {
       ref_ppl = r0.test.perplexity();
       ppl_tokens = r0.test.tokens;
       for (size_t si = 0; si < grid.size(); ++si) {
-        std::fprintf(stderr, "\r[perplexity %zu/%zu] %-56s", si + 1, grid.size(),
-                     grid[si].name.c_str());
+        progress("perplexity ", si, grid.size(), grid[si].name);
         kvq::Policy p;
         p.key = grid[si].k;
         p.value = grid[si].v;
@@ -436,7 +473,7 @@ int main(int argc, char** argv) {
         rows[si].num.push_back({"perplexity", r.test.perplexity()});
         rows[si].num.push_back({"kl", r.mean_kl});
       }
-      std::fprintf(stderr, "\r%-70s\r", "");
+      progress_done();
     }
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -472,9 +509,9 @@ int main(int argc, char** argv) {
     kvq_tools::write_file(
         out_dir + "/compare.svg",
         kvq_tools::svg_plot(x, y, labels, groups,
-                            (run_ppl ? "Next-token KL vs effective bits (" :
-                                       "Attention output error vs effective bits (") +
-                                in.description + ")",
+                            run_ppl ? "Next-token KL vs effective bits"
+                                    : "Attention output error vs effective bits",
+                            in.description,
                             "effective bits per value (K and V, metadata included)",
                             run_ppl ? "mean KL divergence of next-token distribution, nats (log)"
                                     : "attention output relative error (log scale)"));
@@ -491,6 +528,7 @@ int main(int argc, char** argv) {
                     static_cast<long long>(ppl_tokens), text_path.c_str(), ref_ppl);
       std::printf("\n\n");
       kvq_tools::print_table(rows);
+      for (const std::string& why : skipped) std::printf("skipped %s\n", why.c_str());
       std::printf("\nWrote %s/compare.{csv,json,svg} in %.1f s\n", out_dir.c_str(), secs);
     }
   } catch (const std::exception& e) {

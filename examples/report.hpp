@@ -168,11 +168,30 @@ inline std::vector<size_t> pareto_front(const std::vector<double>& x, const std:
 
 /// SVG scatter: x = effective bits (linear), y = error (log10), one colour per group, Pareto
 /// front drawn as a line and its points labelled.
+/// Text for SVG/XML content and attributes.
+inline std::string xml_escape(const std::string& t) {
+  std::string o;
+  for (char c : t) {
+    switch (c) {
+      case '&': o += "&amp;"; break;
+      case '<': o += "&lt;"; break;
+      case '>': o += "&gt;"; break;
+      case '"': o += "&quot;"; break;
+      default: o += c;
+    }
+  }
+  return o;
+}
+
+/// Scatter plot of y (log scale) against x with one colour per group, the Pareto front (fewer
+/// bits and lower error) dashed and labelled, every point titled (hover) with its label.
+/// `subtitle` (may be empty) is a second, smaller title line, e.g. the input description.
 inline std::string svg_plot(const std::vector<double>& x, const std::vector<double>& y,
                             const std::vector<std::string>& labels,
                             const std::vector<std::string>& groups, const std::string& title,
-                            const std::string& xlabel, const std::string& ylabel) {
-  const double W = 900, H = 600, L = 80, R = 220, T = 50, B = 60;
+                            const std::string& subtitle, const std::string& xlabel,
+                            const std::string& ylabel) {
+  const double W = 1100, H = 680, L = 80, R = 290, T = 66, B = 60;
   double x0 = 1e300, x1 = -1e300, y0 = 1e300, y1 = -1e300;
   for (size_t i = 0; i < x.size(); ++i) {
     if (!std::isfinite(x[i]) || !std::isfinite(y[i]) || y[i] <= 0) continue;
@@ -201,8 +220,12 @@ inline std::string svg_plot(const std::vector<double>& x, const std::vector<doub
   os << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
      << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" "
         "fill=\"white\"/>\n";
-  os << "<text x=\"" << W / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"16\">"
-     << json_escape(title) << "</text>\n";
+  os << "<text x=\"" << (L + W - R) / 2 << "\" y=\"24\" text-anchor=\"middle\" font-size=\"16\">"
+     << xml_escape(title) << "</text>\n";
+  if (!subtitle.empty())
+    os << "<text x=\"" << (L + W - R) / 2 << "\" y=\"44\" text-anchor=\"middle\" font-size=\"11\" "
+          "fill=\"#444\">"
+       << xml_escape(subtitle) << "</text>\n";
   // axes and grid
   for (int e = static_cast<int>(y0); e <= static_cast<int>(y1); ++e) {
     const double yy = py(std::pow(10.0, e));
@@ -219,9 +242,9 @@ inline std::string svg_plot(const std::vector<double>& x, const std::vector<doub
   os << "<rect x=\"" << L << "\" y=\"" << T << "\" width=\"" << W - L - R << "\" height=\""
      << H - T - B << "\" fill=\"none\" stroke=\"black\"/>\n";
   os << "<text x=\"" << (L + W - R) / 2 << "\" y=\"" << H - 15 << "\" text-anchor=\"middle\">"
-     << json_escape(xlabel) << "</text>\n";
+     << xml_escape(xlabel) << "</text>\n";
   os << "<text transform=\"translate(20," << (T + H - B) / 2
-     << ") rotate(-90)\" text-anchor=\"middle\">" << json_escape(ylabel) << "</text>\n";
+     << ") rotate(-90)\" text-anchor=\"middle\">" << xml_escape(ylabel) << "</text>\n";
   // Pareto front
   const auto front = pareto_front(x, y);
   if (front.size() > 1) {
@@ -233,18 +256,48 @@ inline std::string svg_plot(const std::vector<double>& x, const std::vector<doub
     if (!std::isfinite(x[i]) || !std::isfinite(y[i]) || y[i] <= 0) continue;
     const char* col = kColors[gi[groups[i]] % 10];
     os << "<circle cx=\"" << px(x[i]) << "\" cy=\"" << py(y[i]) << "\" r=\"5\" fill=\"" << col
-       << "\" fill-opacity=\"0.8\"><title>" << json_escape(labels[i]) << ": " << x[i]
+       << "\" fill-opacity=\"0.8\"><title>" << xml_escape(labels[i]) << ": " << x[i]
        << " bits, " << y[i] << "</title></circle>\n";
   }
-  for (size_t i : front)
-    os << "<text x=\"" << px(x[i]) + 7 << "\" y=\"" << py(y[i]) - 6 << "\" font-size=\"10\">"
-       << json_escape(labels[i]) << "</text>\n";
+  // Labels of the front's points, each placed at the first of a few offsets where its box
+  // (estimated at 6 px per character) overlaps no label placed before and stays inside;
+  // a label with no free spot is left out (its point keeps the hover title).
+  struct Box {
+    double x0, y0, x1, y1;
+  };
+  std::vector<Box> placed;
+  for (size_t i : front) {
+    const double w = 6.0 * static_cast<double>(labels[i].size()), h = 11;
+    const double cx = px(x[i]), cy = py(y[i]);
+    const double offsets[][2] = {{7, -6},      {7, 14},       {-7 - w, -6},  {-7 - w, 14},
+                                 {7, -20},     {7, 28},       {-7 - w, -20}, {-7 - w, 28},
+                                 {7, -34},     {7, 42},       {-7 - w, -34}, {-7 - w, 42},
+                                 {-w / 2, -10}, {-w / 2, 20}, {7, -48},      {7, 56}};
+    double bx = 0, by = 0;
+    bool found = false;
+    for (const auto& o : offsets) {
+      const Box b{cx + o[0], cy + o[1] - h + 2, cx + o[0] + w, cy + o[1] + 2};
+      bool ok = b.x0 >= L + 2 && b.x1 <= W - R - 2 && b.y0 >= T + 2 && b.y1 <= H - B - 2;
+      for (const Box& p : placed)
+        ok = ok && (b.x1 < p.x0 || b.x0 > p.x1 || b.y1 < p.y0 || b.y0 > p.y1);
+      if (ok) {
+        bx = cx + o[0];
+        by = cy + o[1];
+        found = true;
+        break;
+      }
+    }
+    if (!found) continue;  // no free spot: the point keeps its hover title only
+    placed.push_back({bx, by - h + 2, bx + w, by + 2});
+    os << "<text x=\"" << bx << "\" y=\"" << by << "\" font-size=\"10\">"
+       << xml_escape(labels[i]) << "</text>\n";
+  }
   // legend
   double ly = T + 10;
   for (auto& [g, k] : gi) {
     os << "<circle cx=\"" << W - R + 20 << "\" cy=\"" << ly << "\" r=\"5\" fill=\""
        << kColors[k % 10] << "\"/><text x=\"" << W - R + 30 << "\" y=\"" << ly + 4 << "\">"
-       << json_escape(g) << "</text>\n";
+       << xml_escape(g) << "</text>\n";
     ly += 18;
   }
   os << "<line x1=\"" << W - R + 12 << "\" x2=\"" << W - R + 28 << "\" y1=\"" << ly << "\" y2=\""

@@ -14,10 +14,10 @@
 ///    with a position-dependent rotation.
 ///  - Values: v[t, c] = a_t * z[t, c] with i.i.d. N(0,1) z and a per-token scale a_t =
 ///    exp(N(0, 0.5)): no channel structure, strong token-to-token magnitude variation.
-///  - Queries (one per query head at the last position, GQA): drawn like keys (same outlier
-///    channels, means aligned with the key means) then RoPE at position tokens-1, and scaled so
-///    that the fp32 attention scores of each head have standard deviation 2 (neither uniform
-///    nor one-hot softmax).
+///  - Queries (`queries` positions, the last ones: tokens - queries .. tokens - 1; one vector
+///    per query head, GQA): drawn like keys (same outlier channels, means aligned with the key
+///    means) then RoPE at their position, and scaled so that the fp32 attention scores of each
+///    head over its causal prefix have standard deviation 2 (neither uniform nor one-hot).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -35,11 +35,12 @@ struct SyntheticSpec {
   int kv_heads = 4;
   int q_heads = 8;
   int head_dim = 128;
+  int queries = 1;  ///< query positions per layer (the last ones), at most tokens
   uint32_t seed = 2024;
 };
 
-/// One layer of synthetic KV: [tokens, kv_heads, head_dim] tensors and [q_heads, head_dim]
-/// queries at the last position.
+/// One layer of synthetic KV: [tokens, kv_heads, head_dim] tensors and [queries, q_heads,
+/// head_dim] queries at positions tokens - queries .. tokens - 1.
 struct SyntheticLayer {
   std::vector<float> k_prerope, k, v, q;
 };
@@ -64,18 +65,20 @@ inline void apply_rope(float* x, int64_t tokens, int64_t heads, int64_t head_dim
 
 inline std::vector<SyntheticLayer> make_synthetic_kv(const SyntheticSpec& sp) {
   KVQ_REQUIRE(sp.layers > 0 && sp.tokens > 0 && sp.kv_heads > 0 && sp.head_dim > 0 &&
-                  sp.q_heads % sp.kv_heads == 0 && sp.head_dim % 2 == 0,
+                  sp.q_heads % sp.kv_heads == 0 && sp.head_dim % 2 == 0 && sp.queries >= 1 &&
+                  sp.queries <= sp.tokens,
               kInvalidArgument, "synthetic spec needs positive sizes, even head_dim and q_heads ",
-              "a multiple of kv_heads (got layers=", sp.layers, " tokens=", sp.tokens,
+              "a multiple of kv_heads, 1 <= queries <= tokens (got layers=", sp.layers, " tokens=", sp.tokens,
+              " queries=", sp.queries,
               " kv_heads=", sp.kv_heads, " q_heads=", sp.q_heads, " head_dim=", sp.head_dim, ")");
   std::mt19937_64 rng(sp.seed);
   std::normal_distribution<double> nd(0.0, 1.0);
-  const int T = sp.tokens, H = sp.kv_heads, D = sp.head_dim, Q = sp.q_heads;
+  const int T = sp.tokens, H = sp.kv_heads, D = sp.head_dim, Q = sp.q_heads, NQ = sp.queries;
   std::vector<SyntheticLayer> out(static_cast<size_t>(sp.layers));
   for (auto& L : out) {
     L.k_prerope.resize(static_cast<size_t>(T) * H * D);
     L.v.resize(L.k_prerope.size());
-    L.q.resize(static_cast<size_t>(Q) * D);
+    L.q.resize(static_cast<size_t>(NQ) * Q * D);
     std::vector<double> mu(static_cast<size_t>(H * D)), sigma(static_cast<size_t>(H * D));
     for (int h = 0; h < H; ++h)
       for (int c = 0; c < D; ++c) {
@@ -101,31 +104,35 @@ inline std::vector<SyntheticLayer> make_synthetic_kv(const SyntheticSpec& sp) {
     }
     L.k = L.k_prerope;
     apply_rope(L.k.data(), T, H, D, 0);
-    // queries: key-like statistics of their KV head, RoPE at the last position
-    for (int qh = 0; qh < Q; ++qh) {
-      const int h = qh / (Q / H);
-      for (int c = 0; c < D; ++c) {
-        const size_t i = static_cast<size_t>(h * D + c);
-        L.q[static_cast<size_t>(qh * D + c)] =
-            static_cast<float>(0.5 * mu[i] / sigma[i] + nd(rng) * (sigma[i] > 4 ? 1.5 : 1.0));
+    // queries: key-like statistics of their KV head, RoPE at their position
+    for (int j = 0; j < NQ; ++j) {
+      const int pos = T - NQ + j;
+      float* qj = L.q.data() + static_cast<size_t>(j) * Q * D;
+      for (int qh = 0; qh < Q; ++qh) {
+        const int h = qh / (Q / H);
+        for (int c = 0; c < D; ++c) {
+          const size_t i = static_cast<size_t>(h * D + c);
+          qj[qh * D + c] =
+              static_cast<float>(0.5 * mu[i] / sigma[i] + nd(rng) * (sigma[i] > 4 ? 1.5 : 1.0));
+        }
       }
-    }
-    apply_rope(L.q.data(), 1, Q, D, T - 1);
-    // scale each query head so its fp32 scores have standard deviation 2
-    for (int qh = 0; qh < Q; ++qh) {
-      const int h = qh / (Q / H);
-      double s1 = 0, s2 = 0;
-      for (int t = 0; t < T; ++t) {
-        double dot = 0;
-        for (int c = 0; c < D; ++c)
-          dot += static_cast<double>(L.q[static_cast<size_t>(qh * D + c)]) *
-                 L.k[(static_cast<size_t>(t) * H + h) * D + c];
-        dot /= std::sqrt(static_cast<double>(D));
-        s1 += dot;
-        s2 += dot * dot;
+      apply_rope(qj, 1, Q, D, pos);
+      // scale each query head so its fp32 scores over tokens [0, pos] have standard deviation 2
+      for (int qh = 0; qh < Q; ++qh) {
+        const int h = qh / (Q / H);
+        double s1 = 0, s2 = 0;
+        for (int t = 0; t <= pos; ++t) {
+          double dot = 0;
+          for (int c = 0; c < D; ++c)
+            dot += static_cast<double>(qj[qh * D + c]) * L.k[(static_cast<size_t>(t) * H + h) * D + c];
+          dot /= std::sqrt(static_cast<double>(D));
+          s1 += dot;
+          s2 += dot * dot;
+        }
+        const double n = pos + 1;
+        const double sd = std::sqrt(std::max(s2 / n - (s1 / n) * (s1 / n), 1e-30));
+        for (int c = 0; c < D; ++c) qj[qh * D + c] *= static_cast<float>(2.0 / sd);
       }
-      const double sd = std::sqrt(std::max(s2 / T - (s1 / T) * (s1 / T), 1e-30));
-      for (int c = 0; c < D; ++c) L.q[static_cast<size_t>(qh * D + c)] *= static_cast<float>(2.0 / sd);
     }
   }
   return out;
