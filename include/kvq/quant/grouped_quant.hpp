@@ -128,6 +128,12 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
                                      : (cfg.axis == Axis::kHead ? static_cast<std::size_t>(H) : 1);
   std::vector<float> lo(np), hi(np), zv(np), iv(np);
   constexpr float kInf = std::numeric_limits<float>::infinity();
+  const std::size_t row_bytes = static_cast<std::size_t>(D) * sizeof(T);
+#if KVQ_HAS_AVX512
+  // Whole-row kernel for per-token int groups (falls back per row on any error).
+  const bool row_kernel = cfg.axis == Axis::kToken && box.gc % 16 == 0 &&
+                          D / box.gc <= kernels::kRowTokenMaxGroups;
+#endif
 
   auto store_params = [&](int64_t g, float l, float h) {
     const UniformParams p = codec.params(l, h, g);
@@ -149,8 +155,24 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
     if (cfg.axis == Axis::kToken) {  // groups inside one row: statistics and encoding fused
       for (int64_t t = t0; t < t1; ++t) {
         for (int64_t h = 0; h < H; ++h) {
+          if (x.dim_contiguous()) kernels::prefetch_ahead(x.row(t, h), row_bytes);
           const float* row = load_row(x, t, h, buf.data());
           uint8_t* dst = code_dst(t, h);
+#if KVQ_HAS_AVX512
+          if constexpr (std::is_same_v<Codec, IntCodec>) {
+            if (row_kernel) {
+              const auto g = static_cast<std::size_t>(box.index(t, h, 0));
+              if (kernels::quantize_row_token(
+                      row, D, box.gc, bits, codec.symmetric, codec.meta == MetaDType::kF16,
+                      codec.lv.off, codec.lv.qmax, q.scales.data_at(g),
+                      codec.has_zero() ? q.zeros.data_at(g) : nullptr, dst,
+                      bits == 4 ? q.codes.data() + (t * H + h) * D / 2 : nullptr)) {
+                if (bits != 4) emit(t, h, dst);
+                continue;
+              }
+            }
+          }
+#endif
           for (int64_t c0 = 0; c0 < D; c0 += box.gc) {
             float l = kInf, u = -kInf;
             if (!kernels::minmax(row + c0, box.gc, l, u)) throw_non_finite_row(x, t, h, "quantize");

@@ -127,6 +127,10 @@ class MetaBuffer {
   std::size_t bytes() const { return bytes_.size(); }
   MetaDType dtype() const { return dtype_; }
   const std::vector<uint8_t>& raw() const { return bytes_; }
+  /// Storage of value i (fp16 bits or f32), for kernels that write many values at once.
+  uint8_t* data_at(std::size_t i) {
+    return bytes_.data() + i * static_cast<std::size_t>(meta_size(dtype_));
+  }
   bool operator==(const MetaBuffer& o) const {
     return dtype_ == o.dtype_ && count_ == o.count_ && bytes_ == o.bytes_;
   }

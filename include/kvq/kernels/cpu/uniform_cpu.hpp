@@ -14,6 +14,23 @@
 
 namespace kvq::kernels {
 
+/// Bytes ahead of the current row that the quantize/dequantize drivers prefetch. On the
+/// shared VMs kvq is benchmarked on, the hardware prefetcher alone keeps a single thread well
+/// below the machine's read bandwidth on these group-at-a-time loops.
+constexpr std::size_t kPrefetchAheadBytes = 8192;
+
+/// Prefetches [p + kPrefetchAheadBytes, + bytes) into L1, one cache line at a time (prefetches
+/// never fault, so running past the end of the buffer is harmless).
+inline void prefetch_ahead(const void* p, std::size_t bytes) {
+#if KVQ_HAS_AVX512 || KVQ_HAS_AVX2
+  const char* a = static_cast<const char*>(p) + kPrefetchAheadBytes;
+  for (std::size_t q = 0; q < bytes; q += 64) _mm_prefetch(a + q, _MM_HINT_T0);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 /// lo = min(lo, x[0..n)), hi = max(hi, x[0..n)). Returns false if any x is NaN or +/-inf.
 inline bool minmax(const float* x, int64_t n, float& lo, float& hi) {
   int64_t i = 0;
@@ -128,6 +145,108 @@ inline void decode_run_vec(const uint8_t* codes, const float* s, const float* z,
 #endif
   for (; i < n; ++i) out[i] = uniform_decode(codes[i], s[i], z[i], off);
 }
+
+#if KVQ_HAS_AVX512
+/// Largest number of token-axis groups quantize_row_token handles in one row.
+constexpr int64_t kRowTokenMaxGroups = 16;
+
+/// Per-token integer groups of one contiguous f32 row, all groups of the row at once:
+/// statistics, parameters (vectorized across the row's groups) and codes. Needs gc % 16 == 0
+/// and D / gc <= kRowTokenMaxGroups. Bit-identical to uniform_params + encode_run per group
+/// (the same IEEE operations in the same order; fp16 rounding by the same RNE conversion).
+/// Writes the groups' scales (and zero points unless symmetric) to meta_scale / meta_zero as
+/// fp16 or f32 values, and one code byte per value to `codes` — or, for 4-bit codes with
+/// `packed4` set, the packed nibbles (LSB first, as pack_bits) to packed4. Returns false, having written
+/// nothing, when a value is non-finite or a parameter does not fit the metadata type: the
+/// caller then runs the scalar path, which throws the precise error.
+inline bool quantize_row_token(const float* row, int64_t D, int64_t gc, int bits, bool symmetric,
+                               bool f16meta, float off, float qmax, uint8_t* meta_scale,
+                               uint8_t* meta_zero, uint8_t* codes, uint8_t* packed4 = nullptr) {
+  const int ng = static_cast<int>(D / gc);
+  // Group minima/maxima gathered in registers (lane j = group j): no scalar round trip through
+  // memory, whose narrow stores would not forward to a vector load.
+  auto all_min = [](__m512 v) {  // every lane = min over the 16 lanes
+    v = _mm512_min_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+    v = _mm512_min_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+    v = _mm512_min_ps(v, _mm512_permute_ps(v, 0x4E));
+    return _mm512_min_ps(v, _mm512_permute_ps(v, 0xB1));
+  };
+  auto all_max = [](__m512 v) {
+    v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+    v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+    v = _mm512_max_ps(v, _mm512_permute_ps(v, 0x4E));
+    return _mm512_max_ps(v, _mm512_permute_ps(v, 0xB1));
+  };
+  __m512 L = _mm512_setzero_ps(), Hv = _mm512_setzero_ps();
+  __mmask16 bad = 0;
+  for (int j = 0; j < ng; ++j) {
+    const float* g = row + j * gc;
+    __m512 vlo = _mm512_loadu_ps(g), vhi = vlo;
+    bad |= _mm512_fpclass_ps_mask(vlo, 0x99);
+    for (int64_t k = 16; k < gc; k += 16) {
+      const __m512 v = _mm512_loadu_ps(g + k);
+      bad |= _mm512_fpclass_ps_mask(v, 0x99);
+      vlo = _mm512_min_ps(vlo, v);
+      vhi = _mm512_max_ps(vhi, v);
+    }
+    const __mmask16 lane = static_cast<__mmask16>(1u << j);
+    L = _mm512_mask_mov_ps(L, lane, all_min(vlo));
+    Hv = _mm512_mask_mov_ps(Hv, lane, all_max(vhi));
+  }
+  if (bad) return false;
+  const __mmask16 m = static_cast<__mmask16>((1u << ng) - 1u);
+  const __m512 zero = _mm512_setzero_ps();
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  auto round_meta_v = [&](__m512 v) {
+    return f16meta ? _mm512_cvtph_ps(_mm512_cvtps_ph(v, kRne)) : v;
+  };
+  __m512 z = zero, sc;
+  if (symmetric) {
+    // m = (hi >= -lo) ? hi : lo; scale = round_meta(m / -2^(bits-1)) + 0
+    const __mmask16 ge = _mm512_cmp_ps_mask(Hv, _mm512_sub_ps(zero, L), _CMP_GE_OQ);
+    const __m512 mv = _mm512_mask_blend_ps(ge, L, Hv);
+    sc = _mm512_add_ps(
+        round_meta_v(_mm512_div_ps(mv, _mm512_set1_ps(-static_cast<float>(1 << (bits - 1))))),
+        zero);
+  } else {
+    z = round_meta_v(_mm512_add_ps(L, zero));
+    if (_mm512_mask_fpclass_ps_mask(m, z, 0x99)) return false;
+    __m512 sv = _mm512_div_ps(_mm512_sub_ps(Hv, z), _mm512_set1_ps(qmax));
+    sv = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv, zero, _CMP_GT_OQ), sv);  // !(s > 0) -> 0
+    sc = round_meta_v(sv);
+  }
+  if (_mm512_mask_fpclass_ps_mask(m, sc, 0x99)) return false;
+  const __mmask16 nz = _mm512_cmp_ps_mask(sc, zero, _CMP_NEQ_UQ);
+  __m512 inv = _mm512_maskz_div_ps(nz, _mm512_set1_ps(1.0f), sc);
+  inv = _mm512_mask_mov_ps(inv, _mm512_fpclass_ps_mask(inv, 0x99), zero);  // subnormal scale
+  if (f16meta) {
+    _mm256_mask_storeu_epi16(meta_scale, m, _mm512_cvtps_ph(sc, kRne));
+    if (!symmetric) _mm256_mask_storeu_epi16(meta_zero, m, _mm512_cvtps_ph(z, kRne));
+  } else {
+    _mm512_mask_storeu_ps(meta_scale, m, sc);
+    if (!symmetric) _mm512_mask_storeu_ps(meta_zero, m, z);
+  }
+  const __m512 voff = _mm512_set1_ps(off), vq = _mm512_set1_ps(qmax);
+  for (int j = 0; j < ng; ++j) {
+    const __m512i lane = _mm512_set1_epi32(j);
+    const __m512 vz = _mm512_permutexvar_ps(lane, z), vinv = _mm512_permutexvar_ps(lane, inv);
+    for (int64_t k = 0; k < gc; k += 16) {
+      const int64_t i = j * gc + k;
+      __m512 v = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_loadu_ps(row + i), vz), vinv, voff);
+      v = _mm512_min_ps(_mm512_max_ps(v, zero), vq);
+      const __m512i c = _mm512_cvtps_epi32(v);
+      if (packed4 != nullptr) {
+        // 64-bit lane = (code 2k) | (code 2k+1) << 32 -> byte (code 2k) | (code 2k+1) << 4
+        const __m512i p = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(packed4 + i / 2), _mm512_cvtepi64_epi8(p));
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(c));
+      }
+    }
+  }
+  return true;
+}
+#endif
 
 /// pack_bits with vectorized 2- and 4-bit paths for byte-aligned runs.
 inline void pack_codes(const uint8_t* codes, std::size_t n, int bits, uint8_t* out,
