@@ -188,6 +188,7 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
     std::fill(hi.begin(), hi.end(), -kInf);
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t h = 0; h < H; ++h) {
+        if (x.dim_contiguous()) kernels::prefetch_ahead(x.row(t, h), row_bytes);
         const float* row = load_row(x, t, h, buf.data());
         bool ok;
         if (per_channel) {

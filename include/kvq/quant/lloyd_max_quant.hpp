@@ -76,16 +76,22 @@ inline void check_lloyd_max(const QuantConfig& cfg, const Shape& s) {
               s.head_dim, " in ", s.str());
 }
 
-inline double sum_sq_d(const float* a, int64_t n) {
-  double acc = 0;
-  for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(a[i]) * a[i];
-  return acc;
+/// sum a[i] * b[i] in double with eight interleaved partial sums (element i goes to sum i % 8),
+/// combined in a fixed tree: one result for every build (scalar or vectorized, the compiler
+/// vectorizes the lanes without reassociating), and no serial add-latency chain.
+inline double dot_d(const float* a, const float* b, int64_t n) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int k = 0; k < 8; ++k) acc[k] += static_cast<double>(a[i + k]) * b[i + k];
+  for (int k = 0; i < n; ++i, ++k) acc[k] += static_cast<double>(a[i]) * b[i];
+  return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 }
 
+inline double sum_sq_d(const float* a, int64_t n) { return dot_d(a, a, n); }
+
 inline float dot_f(const float* a, const float* b, int64_t n) {
-  double acc = 0;
-  for (int64_t i = 0; i < n; ++i) acc += static_cast<double>(a[i]) * b[i];
-  return static_cast<float>(acc);
+  return static_cast<float>(dot_d(a, b, n));
 }
 
 }  // namespace detail
