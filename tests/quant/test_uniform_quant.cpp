@@ -76,6 +76,31 @@ void run_case(const QuantConfig& cfg, const Shape& s, kvq::Layout layout, uint32
   for (size_t k = 0; k < y_fast.size(); ++k)
     ASSERT_EQ(fbits(y_fast[k]), fbits(y_ref[k])) << what << " element " << k;
   for (float v : y_fast) ASSERT_TRUE(std::isfinite(v)) << what;
+
+  // Dequantizing into fp16 / bf16 outputs (contiguous rows, and a strided view that takes the
+  // row-buffer path) gives the f32 reconstruction rounded to nearest even.
+  auto check_narrow = [&](auto tag) {
+    using U = decltype(tag);
+    std::vector<U> z(data.size());
+    kvq::dequantize(fast, KVView<U>(z.data(), s, layout));
+    std::vector<U> zs(2 * data.size());
+    const kvq::Strides st{2 * s.heads * s.head_dim, 2 * s.head_dim, 2};
+    const KVView<U> strided(zs.data(), s, st);
+    kvq::dequantize(fast, strided);
+    const KVView<const float> yr(y_ref.data(), s, layout);
+    const KVView<const U> zv(z.data(), s, layout);
+    for (int64_t t = 0; t < s.tokens; ++t)
+      for (int64_t h = 0; h < s.heads; ++h)
+        for (int64_t d = 0; d < s.head_dim; ++d) {
+          const U want = kvq::from_float<U>(yr.at(t, h, d));
+          ASSERT_EQ(zv.at(t, h, d).bits, want.bits)
+              << what << " -> " << kvq::to_string(kvq::dtype_of<U>::value) << " at " << t << ","
+              << h << "," << d;
+          ASSERT_EQ(strided.at(t, h, d).bits, want.bits) << what << " strided";
+        }
+  };
+  check_narrow(kvq::f16{});
+  check_narrow(kvq::bf16{});
 }
 
 TEST_P(UniformSweep, FastEqualsReference) {

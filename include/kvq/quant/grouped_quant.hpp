@@ -69,6 +69,13 @@ struct IntCodec {
   void decode_vec(const uint8_t* c, const float* s, const float* z, int64_t n, float* out) const {
     kernels::decode_run_vec(c, s, z, n, lv.off, out);
   }
+  // Straight to fp16 output (same bits as decoding to float, then rounding to fp16).
+  void decode_f16(const uint8_t* c, int64_t n, float s, float z, f16* out) const {
+    kernels::decode_run_f16<false>(c, n, &s, &z, lv.off, reinterpret_cast<uint16_t*>(out));
+  }
+  void decode_vec_f16(const uint8_t* c, const float* s, const float* z, int64_t n, f16* out) const {
+    kernels::decode_run_f16<true>(c, n, s, z, lv.off, reinterpret_cast<uint16_t*>(out));
+  }
 };
 
 /// Scaled FP8 codec: scale = amax * margin / max_finite (fp8::compute_scale), rounded to the
@@ -257,6 +264,20 @@ void grouped_dequantize(const QTensor& q, const Codec& codec, int bits, const KV
           kernels::unpack_codes(q.codes.data(), static_cast<std::size_t>(D), bits,
                                 code_buf.data(), off * bits);
           codes = code_buf.data();
+        }
+        if constexpr (std::is_same_v<T, f16> && std::is_same_v<Codec, IntCodec>) {
+          if (out.dim_contiguous()) {  // decode straight into the fp16 row
+            f16* o = out.row(t, h);
+            if (per_channel) {
+              codec.decode_vec_f16(codes, sv.data() + h * D, zv.data() + h * D, D, o);
+            } else {
+              for (int64_t c0 = 0; c0 < D; c0 += box.gc) {
+                const auto g = static_cast<std::size_t>(box.index(t, h, c0));
+                codec.decode_f16(codes + c0, box.gc, q.scales.get(g), zero_of(g), o + c0);
+              }
+            }
+            continue;
+          }
         }
         float* dst = buf.data();
         if constexpr (std::is_same_v<T, float>) {

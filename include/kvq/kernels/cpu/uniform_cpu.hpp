@@ -10,6 +10,7 @@
 
 #include "kvq/config.hpp"
 #include "kvq/core/bitpack.hpp"
+#include "kvq/core/half.hpp"
 #include "kvq/format/uniform.hpp"
 
 namespace kvq::kernels {
@@ -247,6 +248,30 @@ inline bool quantize_row_token(const float* row, int64_t D, int64_t gc, int bits
   return true;
 }
 #endif
+
+/// decode_run / decode_run_vec writing fp16 bits (RNE, as store_row's conversion) straight to
+/// `out`: no float round trip through a row buffer. `s`/`z` are per element when `vec`.
+template <bool kVec>
+inline void decode_run_f16(const uint8_t* codes, int64_t n, const float* s, const float* z,
+                           float off, uint16_t* out) {
+  int64_t i = 0;
+#if KVQ_HAS_AVX512
+  const __m512 voff = _mm512_set1_ps(off);
+  const __m512 vs1 = _mm512_set1_ps(s[0]), vz1 = _mm512_set1_ps(z[0]);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 c = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))));
+    const __m512 vs = kVec ? _mm512_loadu_ps(s + i) : vs1;
+    const __m512 vz = kVec ? _mm512_loadu_ps(z + i) : vz1;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtps_ph(_mm512_fmadd_ps(_mm512_sub_ps(c, voff), vs, vz),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+#endif
+  for (; i < n; ++i)
+    out[i] = float_to_half_bits_fast(uniform_decode(codes[i], kVec ? s[i] : s[0],
+                                                    kVec ? z[i] : z[0], off));
+}
 
 /// pack_bits with vectorized 2- and 4-bit paths for byte-aligned runs.
 inline void pack_codes(const uint8_t* codes, std::size_t n, int bits, uint8_t* out,
