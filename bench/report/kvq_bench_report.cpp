@@ -89,21 +89,20 @@ int main(int argc, char** argv) {
     for (const std::string& n : order) {
       std::string value, ratio = "", target = "";
       double r = 0, ns = 0;
+      if (!bps.count(n) && !ips.count(n)) continue;
+      char buf[64];
       if (bps.count(n)) {
         const double m = median(bps[n]);
         r = m / memcpy_bps;
-        char buf[64];
         std::snprintf(buf, sizeof buf, "%.2f GB/s", m / 1e9);
         value = buf;
         std::snprintf(buf, sizeof buf, "%.2fx", r);
         ratio = buf;
-      } else if (ips.count(n)) {
+      }
+      if (ips.count(n)) {  // items (vectors) per second: also ns per item
         ns = 1e9 / median(ips[n]);
-        char buf[64];
-        std::snprintf(buf, sizeof buf, "%.1f ns/item", ns);
-        value = buf;
-      } else {
-        continue;
+        std::snprintf(buf, sizeof buf, "%s%.1f ns/item", value.empty() ? "" : ", ", ns);
+        value += buf;
       }
       for (const Target& t : kTargets) {
         if (n.rfind(t.prefix, 0) != 0) continue;

@@ -208,7 +208,17 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
       }
     }
     const int64_t g0 = tb * box.nh * box.nc;  // first group of this token block
-    for (std::size_t k = 0; k < np; ++k) {
+    bool params_done = false;
+#if KVQ_HAS_AVX512
+    if constexpr (std::is_same_v<Codec, IntCodec>) {
+      // The block's groups are consecutive metadata slots g0 .. g0 + np - 1.
+      params_done = kernels::uniform_params_array(
+          lo.data(), hi.data(), static_cast<int64_t>(np), bits, codec.symmetric,
+          codec.meta == MetaDType::kF16, codec.lv.qmax, q.scales.data_at(g0),
+          codec.has_zero() ? q.zeros.data_at(g0) : nullptr, zv.data(), iv.data());
+    }
+#endif
+    for (std::size_t k = 0; k < np && !params_done; ++k) {
       const UniformParams p = store_params(g0 + static_cast<int64_t>(k), lo[k], hi[k]);
       zv[k] = p.zero;
       iv[k] = p.inv;

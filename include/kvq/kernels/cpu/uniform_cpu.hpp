@@ -148,6 +148,73 @@ inline void decode_run_vec(const uint8_t* codes, const float* s, const float* z,
 }
 
 #if KVQ_HAS_AVX512
+/// uniform_params for up to 16 groups at once (lane j = group j, lanes outside m ignored): the
+/// same IEEE operations in the same order as the scalar function, fp16 rounding by the same RNE
+/// conversion, so the results are bit-identical. Stores the scales (and zero points unless
+/// symmetric) of the lanes in m to meta_scale / meta_zero (fp16 bits or f32) and returns the
+/// zero points and inverse scales in z / inv. Returns false, storing nothing, when a zero point
+/// or scale is not finite (the caller's scalar path then throws the precise error).
+inline bool uniform_params16(__m512 L, __m512 Hv, __mmask16 m, int bits, bool symmetric,
+                             bool f16meta, float qmax, uint8_t* meta_scale, uint8_t* meta_zero,
+                             __m512& z, __m512& inv) {
+  const __m512 zero = _mm512_setzero_ps();
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  auto round_meta_v = [&](__m512 v) {
+    return f16meta ? _mm512_cvtph_ps(_mm512_cvtps_ph(v, kRne)) : v;
+  };
+  __m512 sc;
+  z = zero;
+  if (symmetric) {
+    // m = (hi >= -lo) ? hi : lo; scale = round_meta(m / -2^(bits-1)) + 0
+    const __mmask16 ge = _mm512_cmp_ps_mask(Hv, _mm512_sub_ps(zero, L), _CMP_GE_OQ);
+    const __m512 mv = _mm512_mask_blend_ps(ge, L, Hv);
+    sc = _mm512_add_ps(
+        round_meta_v(_mm512_div_ps(mv, _mm512_set1_ps(-static_cast<float>(1 << (bits - 1))))),
+        zero);
+  } else {
+    z = round_meta_v(_mm512_add_ps(L, zero));
+    if (_mm512_mask_fpclass_ps_mask(m, z, 0x99)) return false;
+    __m512 sv = _mm512_div_ps(_mm512_sub_ps(Hv, z), _mm512_set1_ps(qmax));
+    sv = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv, zero, _CMP_GT_OQ), sv);  // !(s > 0) -> 0
+    sc = round_meta_v(sv);
+  }
+  if (_mm512_mask_fpclass_ps_mask(m, sc, 0x99)) return false;
+  const __mmask16 nz = _mm512_cmp_ps_mask(sc, zero, _CMP_NEQ_UQ);
+  inv = _mm512_maskz_div_ps(nz, _mm512_set1_ps(1.0f), sc);
+  inv = _mm512_mask_mov_ps(inv, _mm512_fpclass_ps_mask(inv, 0x99), zero);  // subnormal scale
+  if (f16meta) {
+    _mm256_mask_storeu_epi16(meta_scale, m, _mm512_cvtps_ph(sc, kRne));
+    if (!symmetric) _mm256_mask_storeu_epi16(meta_zero, m, _mm512_cvtps_ph(z, kRne));
+  } else {
+    _mm512_mask_storeu_ps(meta_scale, m, sc);
+    if (!symmetric) _mm512_mask_storeu_ps(meta_zero, m, z);
+  }
+  return true;
+}
+
+/// uniform_params for n groups whose minima and maxima are lo[0..n), hi[0..n): writes the
+/// metadata of group k at meta_scale / meta_zero + k * meta_bytes, and zero points and inverse
+/// scales to zv / iv. Same bits and the same false-on-error contract as uniform_params16; on
+/// false, metadata of earlier groups may have been written (the caller rewrites or throws).
+inline bool uniform_params_array(const float* lo, const float* hi, int64_t n, int bits,
+                                 bool symmetric, bool f16meta, float qmax, uint8_t* meta_scale,
+                                 uint8_t* meta_zero, float* zv, float* iv) {
+  const int64_t mb = f16meta ? 2 : 4;
+  for (int64_t k = 0; k < n; k += 16) {
+    const int64_t left = n - k;
+    const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                   : static_cast<__mmask16>((1u << left) - 1u);
+    __m512 z, inv;
+    if (!uniform_params16(_mm512_maskz_loadu_ps(m, lo + k), _mm512_maskz_loadu_ps(m, hi + k), m,
+                          bits, symmetric, f16meta, qmax, meta_scale + k * mb,
+                          symmetric ? nullptr : meta_zero + k * mb, z, inv))
+      return false;
+    _mm512_mask_storeu_ps(zv + k, m, z);
+    _mm512_mask_storeu_ps(iv + k, m, inv);
+  }
+  return true;
+}
+
 /// Largest number of token-axis groups quantize_row_token handles in one row.
 constexpr int64_t kRowTokenMaxGroups = 16;
 
@@ -196,37 +263,10 @@ inline bool quantize_row_token(const float* row, int64_t D, int64_t gc, int bits
   }
   if (bad) return false;
   const __mmask16 m = static_cast<__mmask16>((1u << ng) - 1u);
+  __m512 z, inv;
+  if (!uniform_params16(L, Hv, m, bits, symmetric, f16meta, qmax, meta_scale, meta_zero, z, inv))
+    return false;
   const __m512 zero = _mm512_setzero_ps();
-  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  auto round_meta_v = [&](__m512 v) {
-    return f16meta ? _mm512_cvtph_ps(_mm512_cvtps_ph(v, kRne)) : v;
-  };
-  __m512 z = zero, sc;
-  if (symmetric) {
-    // m = (hi >= -lo) ? hi : lo; scale = round_meta(m / -2^(bits-1)) + 0
-    const __mmask16 ge = _mm512_cmp_ps_mask(Hv, _mm512_sub_ps(zero, L), _CMP_GE_OQ);
-    const __m512 mv = _mm512_mask_blend_ps(ge, L, Hv);
-    sc = _mm512_add_ps(
-        round_meta_v(_mm512_div_ps(mv, _mm512_set1_ps(-static_cast<float>(1 << (bits - 1))))),
-        zero);
-  } else {
-    z = round_meta_v(_mm512_add_ps(L, zero));
-    if (_mm512_mask_fpclass_ps_mask(m, z, 0x99)) return false;
-    __m512 sv = _mm512_div_ps(_mm512_sub_ps(Hv, z), _mm512_set1_ps(qmax));
-    sv = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(sv, zero, _CMP_GT_OQ), sv);  // !(s > 0) -> 0
-    sc = round_meta_v(sv);
-  }
-  if (_mm512_mask_fpclass_ps_mask(m, sc, 0x99)) return false;
-  const __mmask16 nz = _mm512_cmp_ps_mask(sc, zero, _CMP_NEQ_UQ);
-  __m512 inv = _mm512_maskz_div_ps(nz, _mm512_set1_ps(1.0f), sc);
-  inv = _mm512_mask_mov_ps(inv, _mm512_fpclass_ps_mask(inv, 0x99), zero);  // subnormal scale
-  if (f16meta) {
-    _mm256_mask_storeu_epi16(meta_scale, m, _mm512_cvtps_ph(sc, kRne));
-    if (!symmetric) _mm256_mask_storeu_epi16(meta_zero, m, _mm512_cvtps_ph(z, kRne));
-  } else {
-    _mm512_mask_storeu_ps(meta_scale, m, sc);
-    if (!symmetric) _mm512_mask_storeu_ps(meta_zero, m, z);
-  }
   const __m512 voff = _mm512_set1_ps(off), vq = _mm512_set1_ps(qmax);
   for (int j = 0; j < ng; ++j) {
     const __m512i lane = _mm512_set1_epi32(j);
