@@ -3,6 +3,8 @@
 // seeded mutation fuzz loop (run under ASan+UBSan in the sanitizer build).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,13 +38,16 @@ std::vector<uint8_t> npy_file(int major, const std::string& dict, const std::vec
     while ((pre + header.size() + 1) % 64 != 0) header += ' ';
     header += '\n';
   }
-  std::vector<uint8_t> out = {
-      0x93, 'N', 'U', 'M', 'P', 'Y', static_cast<uint8_t>(major), static_cast<uint8_t>(minor)};
+  std::vector<uint8_t> out(8 + len_bytes + header.size() + data.size());
+  const uint8_t magic[8] = {0x93, 'N', 'U', 'M', 'P', 'Y', static_cast<uint8_t>(major),
+                            static_cast<uint8_t>(minor)};
+  std::copy(magic, magic + 8, out.begin());
   for (size_t i = 0; i < len_bytes; ++i) {
-    out.push_back(static_cast<uint8_t>(header.size() >> (8 * i)));
+    out[8 + i] = static_cast<uint8_t>(header.size() >> (8 * i));
   }
-  out.insert(out.end(), header.begin(), header.end());
-  out.insert(out.end(), data.begin(), data.end());
+  std::copy(header.begin(), header.end(), out.begin() + static_cast<std::ptrdiff_t>(8 + len_bytes));
+  std::copy(data.begin(), data.end(),
+            out.begin() + static_cast<std::ptrdiff_t>(8 + len_bytes + header.size()));
   return out;
 }
 

@@ -3,6 +3,8 @@
 // fuzz loop (run under ASan+UBSan in the sanitizer build).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -29,11 +31,12 @@ using kvq_test::TempDir;
 /// text, then `data` bytes.
 std::vector<uint8_t> st_file(const std::string& header, const std::vector<uint8_t>& data,
                              uint64_t length_field = UINT64_MAX) {
-  std::vector<uint8_t> out(8);
+  std::vector<uint8_t> out(8 + header.size() + data.size());
   kvq::io::detail::store_u64le(out.data(),
                                length_field == UINT64_MAX ? header.size() : length_field);
-  out.insert(out.end(), header.begin(), header.end());
-  out.insert(out.end(), data.begin(), data.end());
+  std::copy(header.begin(), header.end(), out.begin() + 8);
+  std::copy(data.begin(), data.end(),
+            out.begin() + static_cast<std::ptrdiff_t>(8 + header.size()));
   return out;
 }
 
