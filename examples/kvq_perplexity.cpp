@@ -2,7 +2,7 @@
 // held in kvq's quantized cache under each policy.
 //
 //   kvq_perplexity --model M --tokenizer T --text F --policy SPEC[;SPEC...] [--json]
-//                  [--max-seqs N] [--seq-len N] [--simulate]
+//                  [--max-seqs N] [--seq-len N] [--simulate [--prerope]]
 //
 // The cache is kvq's streaming KVCache (keys and values packed in shared blocks), or with
 // --simulate the SimulatedBackend (cache/simulated_backend.hpp: every key and value scale group
@@ -36,9 +36,11 @@ namespace {
 /// over all sequences.
 class MeasuringBackend final : public kvq::eval::KVBackend {
  public:
-  MeasuringBackend(kvq::Policy p, const kvq::eval::KVGeometry& g, bool simulate) {
+  MeasuringBackend(kvq::Policy p, const kvq::eval::KVGeometry& g, bool simulate, bool prerope) {
     if (simulate) {
-      sim_ = std::make_unique<kvq::SimulatedBackend>(std::move(p), g);
+      kvq::SimulatedOptions o;
+      o.prerope_keys = prerope;
+      sim_ = std::make_unique<kvq::SimulatedBackend>(std::move(p), g, o);
     } else {
       cache_ = std::make_unique<kvq::CacheBackend>(std::move(p), g);
     }
@@ -88,6 +90,8 @@ void usage() {
                "--simulate: quantize each key/value scale group as soon as it is complete (keys\n"
                "  and values independently; simulated quantization, the reference table's rule)\n"
                "  instead of the streaming cache's shared blocks\n"
+               "--prerope: with --simulate (implied), quantize keys before RoPE and apply RoPE\n"
+               "  after dequantization (KVQuant)\n"
                "defaults: %s/data/stories260K/{stories260K.bin,tok512.bin,tinystories-dev.txt}, "
                "policy f32\n",
                KVQ_SHARED_DIR);
@@ -110,7 +114,7 @@ int main(int argc, char** argv) {
   const std::string base = std::string(KVQ_SHARED_DIR) + "/data/stories260K/";
   std::string model_path = base + "stories260K.bin", tok_path = base + "tok512.bin",
               text_path = base + "tinystories-dev.txt", policy_arg = "f32";
-  bool json = false, simulate = false;
+  bool json = false, simulate = false, prerope = false;
   kvq::eval::EvalOptions opt;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -127,6 +131,7 @@ int main(int argc, char** argv) {
     else if (a == "--policy") policy_arg = next();
     else if (a == "--json") json = true;
     else if (a == "--simulate") simulate = true;
+    else if (a == "--prerope") prerope = simulate = true;
     else if (a == "--max-seqs") opt.max_sequences = parse_count(a, next());
     else if (a == "--seq-len") opt.max_seq_len = parse_count(a, next());
     else if (a == "-h" || a == "--help") {
@@ -155,7 +160,7 @@ int main(int argc, char** argv) {
     std::vector<kvq_tools::Row> rows;
     for (const kvq::Policy& p : policies) {
       std::fprintf(stderr, "kvq_perplexity: %s ...\n", p.spec().c_str());
-      MeasuringBackend be(p, geo, simulate);
+      MeasuringBackend be(p, geo, simulate, prerope);
       kvq::eval::EvalOptions popt = opt;
       popt.reference_trace = &trace;
       const auto r = kvq::eval::evaluate_text(model, tok, be, lines, popt);
@@ -175,7 +180,9 @@ int main(int argc, char** argv) {
         {"tool", "kvq_perplexity"},
         {"model", model_path},
         {"text", text_path},
-        {"cache", simulate ? "simulated (each group quantized when complete)" : "streaming KVCache"},
+        {"cache", simulate ? (prerope ? "simulated, keys quantized before RoPE"
+                                      : "simulated (each group quantized when complete)")
+                           : "streaming KVCache"},
         {"reference_perplexity", kvq_tools::raw_json(kvq_tools::json_number(r0.test.perplexity()))},
         {"reference_tokens", kvq_tools::raw_json(std::to_string(r0.test.tokens))}};
     if (json) {
@@ -184,9 +191,10 @@ int main(int argc, char** argv) {
       std::printf("model %s, text %s: %lld tokens, f32 reference perplexity %.4f\n",
                   model_path.c_str(), text_path.c_str(),
                   static_cast<long long>(r0.test.tokens), r0.test.perplexity());
-      std::printf("cache: %s\n", simulate ? "simulated quantization (each key/value group "
-                                            "quantized as soon as it is complete)"
-                                          : "kvq streaming KVCache");
+      std::printf("cache: %s%s\n", simulate ? "simulated quantization (each key/value group "
+                                              "quantized as soon as it is complete)"
+                                            : "kvq streaming KVCache",
+                  prerope ? "; keys quantized before RoPE, RoPE applied after dequantization" : "");
       std::printf("cache_bytes = peak over sequences (largest sequence); effective_bits = "
                   "bits per cached K/V value over all sequences, metadata and f32 windows "
                   "included\n\n");

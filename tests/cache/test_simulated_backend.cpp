@@ -122,6 +122,46 @@ TEST(SimulatedBackend, SkippedLayersStayExactAndResetClears) {
   expect_rows(be.storage().keys(1), 0, roundtrip(p.key, k, 0, 32), "key group after reset");
 }
 
+TEST(SimulatedBackend, PreRopeKeysAreQuantizedThenRotated) {
+  // Appended pre-RoPE keys kp, post-RoPE keys k = RoPE(kp); a complete key group must hold
+  // RoPE(dequantize(quantize(kp))) at its positions, and the trailing group the model's k.
+  const kvq::Policy p = kvq::parse_policy("k=int2/channel/g32,v=int4/token/g16,residual=0");
+  kvq::SimulatedOptions o;
+  o.prerope_keys = true;
+  kvq::SimulatedBackend be(p, {1, kHeads, kDim, kMax}, o);
+  const int n = 40;
+  const auto kp = random_rows(n, 7), v = random_rows(n, 8);
+  auto rope = [](std::vector<float> x, int first) {  // llama2.c RoPE, theta 10000
+    for (size_t t = 0; t < x.size() / (kHeads * kDim); ++t)
+      for (int h = 0; h < kHeads; ++h)
+        for (int i = 0; i < kDim / 2; ++i) {
+          const double a = static_cast<double>(first + static_cast<int>(t)) *
+                           std::pow(10000.0, -static_cast<double>(2 * i) / kDim);
+          const float c = static_cast<float>(std::cos(a)), sn = static_cast<float>(std::sin(a));
+          float* r = x.data() + (t * kHeads + h) * kDim;
+          const float x0 = r[2 * i], x1 = r[2 * i + 1];
+          r[2 * i] = x0 * c - x1 * sn;
+          r[2 * i + 1] = x0 * sn + x1 * c;
+        }
+    return x;
+  };
+  const auto k = rope(kp, 0);
+  const size_t row = static_cast<size_t>(kHeads) * kDim;
+  for (int t = 0; t < n; ++t)
+    be.append(0, t, kp.data() + t * row, k.data() + t * row, v.data() + t * row);
+  const auto keys = be.storage().keys(0);
+  const auto want = rope(roundtrip(p.key, kp, 0, 32), 0);
+  for (int t = 0; t < 32; ++t)
+    for (int h = 0; h < kHeads; ++h)
+      for (int d = 0; d < kDim; ++d)
+        ASSERT_NEAR(keys.at(t, h, d), want[(static_cast<size_t>(t) * kHeads + h) * kDim + d], 1e-5f)
+            << t << " " << h << " " << d;
+  expect_rows(keys, 32, std::vector<float>(k.begin() + 32 * row, k.end()), "trailing keys");
+  kvq::SimulatedOptions odd;
+  odd.prerope_keys = true;
+  EXPECT_THROW(kvq::SimulatedBackend(p, {1, 1, 7, 8}, odd), kvq::Error);
+}
+
 TEST(SimulatedBackend, BadInputIsRejected) {
   EXPECT_THROW(kvq::SimulatedBackend(kvq::parse_policy("kivi2"), {0, kHeads, kDim, kMax}),
                kvq::Error);
@@ -170,6 +210,31 @@ TEST(SimulatedBackend, ReproducesTheReferenceAxisTable) {
     EXPECT_NEAR(p, c.reference, c.rel_tol * c.reference) << c.spec;
     RecordProperty(c.spec, std::to_string(p));
   }
+}
+
+// KVQuant's point on the real model: per-channel key groups formed before RoPE lose far less
+// than after it (RoPE rotates channel pairs by position, mixing an outlier channel with its
+// partner differently in every token of a group); per-token keys gain nothing from it.
+TEST(SimulatedBackend, PreRopeKeyQuantizationHelpsPerChannelKeys) {
+  KVQ_REQUIRE_STORIES();
+  kvq::eval::Llama2cModel model(kvq_test::model_path());
+  const kvq::eval::Tokenizer tok(kvq_test::tokenizer_path(), model.config().vocab_size);
+  auto lines = kvq::eval::read_text_lines(kvq_test::text_path());
+  kvq::eval::EvalOptions opt;
+  opt.max_sequences = KVQ_TEST_SANITIZED ? 2 : 0;
+  auto ppl = [&](const std::string& spec, bool prerope) {
+    kvq::SimulatedOptions o;
+    o.prerope_keys = prerope;
+    kvq::SimulatedBackend be(kvq::parse_policy(spec), model.kv_geometry(), o);
+    return kvq::eval::evaluate_text(model, tok, be, lines, opt).test.perplexity();
+  };
+  const double f32 = ppl("f32", false);
+  EXPECT_NEAR(ppl("f32", true), f32, 1e-4 * f32);  // RoPE recomputed as the model does
+  const std::string ch = "k=int2/channel/g32,v=int2/token/g8,residual=0";
+  const double post = ppl(ch, false), pre = ppl(ch, true);
+  RecordProperty("int2_channel_postrope", std::to_string(post));
+  RecordProperty("int2_channel_prerope", std::to_string(pre));
+  EXPECT_LT(pre - f32, 0.5 * (post - f32)) << "pre-RoPE " << pre << " post-RoPE " << post;
 }
 
 }  // namespace

@@ -20,6 +20,14 @@
 /// least s + G + residual tokens. Skipped layers and per-layer overrides come from the policy.
 /// Bytes are counted as the packed groups' real bytes plus 4 bytes per f32 element, so
 /// effective_bits() is honest about what a cache under this rule would hold.
+///
+/// Pre-RoPE keys (KVQuant): with SimulatedOptions::prerope_keys the key groups are formed from
+/// the keys *before* RoPE (the `k_prerope` the model appends), dequantized, and rotated by RoPE
+/// at their positions afterwards. RoPE here is llama2.c's: adjacent channel pairs (2i, 2i+1)
+/// rotated by pos * theta^(-2i/head_dim), cos/sin computed in double and rounded to float, the
+/// rotation in float — the model's own formula, so an unquantized key comes back as the model
+/// computed it (up to the compiler's FMA contraction).
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -31,10 +39,17 @@
 
 namespace kvq {
 
+struct SimulatedOptions {
+  bool prerope_keys = false;  ///< quantize keys before RoPE, apply RoPE after dequantization
+  double rope_theta = 10000.0;
+};
+
 class SimulatedBackend final : public eval::KVBackend {
  public:
-  SimulatedBackend(Policy policy, const eval::KVGeometry& g)
-      : policy_(std::move(policy)), g_(g), fp_(g) {
+  SimulatedBackend(Policy policy, const eval::KVGeometry& g, SimulatedOptions opt = {})
+      : policy_(std::move(policy)), g_(g), opt_(opt), fp_(g) {
+    KVQ_REQUIRE(!opt.prerope_keys || g.head_dim % 2 == 0, kInvalidArgument,
+                "SimulatedBackend: pre-RoPE keys need an even head_dim, got ", g.head_dim);
     policy_.validate();
     const size_t L = static_cast<size_t>(g.n_layers);
     side_.resize(2 * L);
@@ -65,13 +80,15 @@ class SimulatedBackend final : public eval::KVBackend {
     const size_t row = static_cast<size_t>(g_.n_kv_heads) * g_.head_dim;
     for (int kv = 0; kv < 2; ++kv) {
       Side& s = side(layer, kv);
-      std::copy_n(kv == 0 ? k : v, row, s.raw.data() + static_cast<size_t>(pos) * row);
+      const float* src = kv == 1 ? v : (opt_.prerope_keys ? k_prerope : k);
+      std::copy_n(src, row, s.raw.data() + static_cast<size_t>(pos) * row);
       while (n - s.next >= s.group + policy_.residual) {
         const Shape shape{s.group, g_.n_kv_heads, g_.head_dim};
         const KVView<const float> in(s.raw.data() + static_cast<size_t>(s.next) * row, shape);
         quantize(s.cfg, in, s.q);
         s.out.resize(static_cast<size_t>(shape.numel()));
         dequantize(s.q, KVView<float>(s.out.data(), shape));
+        if (kv == 0 && opt_.prerope_keys) rope_rows(s.out.data(), s.next, s.group);
         const KVView<const float> back(s.out.data(), shape);
         if (kv == 0) {
           fp_.overwrite_keys(layer, s.next, back);
@@ -123,8 +140,31 @@ class SimulatedBackend final : public eval::KVBackend {
   };
   Side& side(int layer, int kv) { return side_[static_cast<size_t>(2 * layer + kv)]; }
 
+  /// RoPE (see the file comment) on n rows [tokens, kv_heads, head_dim] at positions first...
+  void rope_rows(float* x, int first, int n) const {
+    const int hd = g_.head_dim, half = hd / 2;
+    std::vector<float> cs(static_cast<size_t>(half)), sn(cs.size());
+    for (int t = 0; t < n; ++t) {
+      for (int i = 0; i < half; ++i) {
+        const double a = static_cast<double>(first + t) *
+                         std::pow(opt_.rope_theta, -static_cast<double>(2 * i) / hd);
+        cs[static_cast<size_t>(i)] = static_cast<float>(std::cos(a));
+        sn[static_cast<size_t>(i)] = static_cast<float>(std::sin(a));
+      }
+      for (int h = 0; h < g_.n_kv_heads; ++h) {
+        float* r = x + (static_cast<size_t>(t) * g_.n_kv_heads + h) * hd;
+        for (int i = 0; i < half; ++i) {
+          const float a = r[2 * i], b = r[2 * i + 1];
+          r[2 * i] = a * cs[static_cast<size_t>(i)] - b * sn[static_cast<size_t>(i)];
+          r[2 * i + 1] = a * sn[static_cast<size_t>(i)] + b * cs[static_cast<size_t>(i)];
+        }
+      }
+    }
+  }
+
   Policy policy_;
   eval::KVGeometry g_;
+  SimulatedOptions opt_;
   eval::Fp32Backend fp_;
   std::vector<Side> side_;
 };
