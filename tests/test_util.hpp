@@ -6,8 +6,22 @@
 #include <vector>
 
 #include "kvq/core/tensor.hpp"
+#include "kvq/quant/qtensor.hpp"
 
 namespace kvq_test {
+
+/// A grouped uniform integer config (asymmetric unless `sym`), fp16 metadata by default.
+inline kvq::QuantConfig int_cfg(int bits, bool sym, kvq::Axis axis, int64_t group,
+                                kvq::MetaDType meta = kvq::MetaDType::kF16) {
+  kvq::QuantConfig c;
+  c.format = kvq::Format::kInt;
+  c.bits = bits;
+  c.symmetric = sym;
+  c.axis = axis;
+  c.group = group;
+  c.meta = meta;
+  return c;
+}
 
 /// KV-like data: Gaussian, with a few channels scaled up (key-style outliers) when
 /// `outlier_channels` is true.

@@ -15,42 +15,32 @@ using kvq::Format;
 using kvq::QuantConfig;
 using kvq::Shape;
 
-QuantConfig icfg(int bits, bool sym, Axis axis, int64_t group,
-                 kvq::MetaDType meta = kvq::MetaDType::kF16) {
-  QuantConfig c;
-  c.format = Format::kInt;
-  c.bits = bits;
-  c.symmetric = sym;
-  c.axis = axis;
-  c.group = group;
-  c.meta = meta;
-  return c;
-}
+using kvq_test::int_cfg;
 
 TEST(Accountant, KnownValues) {
   const Shape s{64, 8, 128};
-  EXPECT_DOUBLE_EQ(kvq::effective_bits(icfg(2, false, Axis::kToken, 32), s), 3.0);
-  EXPECT_DOUBLE_EQ(kvq::effective_bits(icfg(2, false, Axis::kChannel, 32), s), 3.0);
-  EXPECT_DOUBLE_EQ(kvq::effective_bits(icfg(4, true, Axis::kToken, 32), s), 4.5);   // q4_0
-  EXPECT_DOUBLE_EQ(kvq::effective_bits(icfg(8, true, Axis::kToken, 32), s), 8.5);   // q8_0
-  EXPECT_DOUBLE_EQ(kvq::effective_bits(icfg(4, false, Axis::kToken, 32), s), 5.0);  // q4_1
-  EXPECT_DOUBLE_EQ(kvq::effective_bits(icfg(4, false, Axis::kToken, 32, kvq::MetaDType::kF32), s),
+  EXPECT_DOUBLE_EQ(kvq::effective_bits(int_cfg(2, false, Axis::kToken, 32), s), 3.0);
+  EXPECT_DOUBLE_EQ(kvq::effective_bits(int_cfg(2, false, Axis::kChannel, 32), s), 3.0);
+  EXPECT_DOUBLE_EQ(kvq::effective_bits(int_cfg(4, true, Axis::kToken, 32), s), 4.5);   // q4_0
+  EXPECT_DOUBLE_EQ(kvq::effective_bits(int_cfg(8, true, Axis::kToken, 32), s), 8.5);   // q8_0
+  EXPECT_DOUBLE_EQ(kvq::effective_bits(int_cfg(4, false, Axis::kToken, 32), s), 5.0);  // q4_1
+  EXPECT_DOUBLE_EQ(kvq::effective_bits(int_cfg(4, false, Axis::kToken, 32, kvq::MetaDType::kF32), s),
                    6.0);
   // vLLM k8v4 values: 4-bit per token (head_dim 128) with fp16 scale and zero: 68 bytes/head/token
-  const auto b = kvq::account(icfg(4, false, Axis::kToken, 0), Shape{1, 1, 128});
+  const auto b = kvq::account(int_cfg(4, false, Axis::kToken, 0), Shape{1, 1, 128});
   EXPECT_EQ(b.total(), 68u);
   EXPECT_EQ(b.codes, 64u);
   EXPECT_EQ(b.scales, 2u);
   EXPECT_EQ(b.zeros, 2u);
   // 3-bit codes are packed densely: 3 bits/value + metadata
-  EXPECT_DOUBLE_EQ(kvq::effective_bits(icfg(3, false, Axis::kToken, 32), s), 4.0);
+  EXPECT_DOUBLE_EQ(kvq::effective_bits(int_cfg(3, false, Axis::kToken, 32), s), 4.0);
   QuantConfig f16;
   f16.format = Format::kF16;
   EXPECT_DOUBLE_EQ(kvq::effective_bits(f16, s), 16.0);
 }
 
 TEST(Accountant, BreakdownSumsToTotal) {
-  const auto b = kvq::account(icfg(2, false, Axis::kChannel, 32), Shape{64, 8, 128});
+  const auto b = kvq::account(int_cfg(2, false, Axis::kChannel, 32), Shape{64, 8, 128});
   EXPECT_EQ(b.codes, 64u * 8 * 128 * 2 / 8);
   EXPECT_EQ(b.scales, 2u * 8 * 128 * 2);
   EXPECT_EQ(b.zeros, b.scales);
@@ -85,7 +75,7 @@ TEST(Accountant, MatchesPackedBytesForEveryConfig) {
         for (Axis a : {Axis::kToken, Axis::kChannel, Axis::kHead, Axis::kTensor})
           for (int64_t g : {0, 8, 16, 32})
             for (auto meta : {kvq::MetaDType::kF16, kvq::MetaDType::kF32}) {
-              const auto c = icfg(bits, sym, a, g, meta);
+              const auto c = int_cfg(bits, sym, a, g, meta);
               const int64_t extent = a == Axis::kToken ? s.head_dim : s.tokens;
               if (g > 0 && g < extent && extent % g != 0) {
                 EXPECT_THROW(kvq::account(c, s), kvq::Error);

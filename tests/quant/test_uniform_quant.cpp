@@ -24,17 +24,7 @@ using kvq::KVView;
 using kvq::QuantConfig;
 using kvq::Shape;
 
-QuantConfig make_cfg(int bits, bool sym, Axis axis, int64_t group,
-                     kvq::MetaDType meta = kvq::MetaDType::kF16) {
-  QuantConfig c;
-  c.format = Format::kInt;
-  c.bits = bits;
-  c.symmetric = sym;
-  c.axis = axis;
-  c.group = group;
-  c.meta = meta;
-  return c;
-}
+using kvq_test::int_cfg;
 
 void expect_same_bytes(const kvq::QTensor& a, const kvq::QTensor& b, const std::string& what) {
   ASSERT_EQ(a.codes, b.codes) << what;
@@ -107,11 +97,11 @@ TEST_P(UniformSweep, FastEqualsReference) {
   const auto [bits, sym, axis, group, head_dim] = GetParam();
   const Shape s{64, 3, head_dim};
   if (axis == Axis::kToken && group > 0 && head_dim % group != 0) {
-    EXPECT_THROW(kvq::quantize(make_cfg(bits, sym, axis, group), KVView<const float>(nullptr, Shape{0, 3, head_dim})), kvq::Error);
+    EXPECT_THROW(kvq::quantize(int_cfg(bits, sym, axis, group), KVView<const float>(nullptr, Shape{0, 3, head_dim})), kvq::Error);
     return;
   }
   for (auto meta : {kvq::MetaDType::kF16, kvq::MetaDType::kF32}) {
-    const auto cfg = make_cfg(bits, sym, axis, group, meta);
+    const auto cfg = int_cfg(bits, sym, axis, group, meta);
     for (auto layout : {kvq::Layout::kNHD, kvq::Layout::kHND}) {
       run_case<float>(cfg, s, layout, 11);
       run_case<kvq::f16>(cfg, s, layout, 12);
@@ -142,7 +132,7 @@ TEST(Uniform, ErrorShrinksWithBits) {
   const double ceiling[9] = {0, 0, 0.2, 0.05, 0.012, 0, 0, 0, 6e-5};
   double prev = 1;
   for (int bits : {2, 3, 4, 8}) {
-    auto cfg = make_cfg(bits, false, Axis::kToken, 32);
+    auto cfg = int_cfg(bits, false, Axis::kToken, 32);
     auto q = kvq::quantize(cfg, x);
     std::vector<float> y(data.size());
     kvq::dequantize(q, KVView<float>(y.data(), s));
@@ -160,7 +150,7 @@ TEST(Uniform, PerChannelWinsOnOutlierChannels) {
   KVView<const float> x(data.data(), s);
   std::vector<float> y(data.size());
   auto err = [&](Axis a) {
-    auto q = kvq::quantize(make_cfg(2, false, a, 32), x);
+    auto q = kvq::quantize(int_cfg(2, false, a, 32), x);
     kvq::dequantize(q, KVView<float>(y.data(), s));
     return kvq_test::rel_mse(data, y);
   };
@@ -171,7 +161,7 @@ TEST(Uniform, ReconstructionWithinHalfStep) {
   const Shape s{32, 2, 64};
   auto data = kvq_test::kv_data(s, 3, false);
   KVView<const float> x(data.data(), s);
-  auto cfg = make_cfg(4, false, Axis::kToken, 32, kvq::MetaDType::kF32);
+  auto cfg = int_cfg(4, false, Axis::kToken, 32, kvq::MetaDType::kF32);
   auto q = kvq::quantize(cfg, x);
   std::vector<float> y(data.size());
   kvq::dequantize(q, KVView<float>(y.data(), s));
@@ -187,7 +177,7 @@ TEST(Uniform, ConstantGroupsReconstructExactly) {
     std::vector<float> data(static_cast<size_t>(s.numel()), c);
     for (bool sym : {false, true})
       for (Axis a : {Axis::kToken, Axis::kChannel, Axis::kTensor}) {
-        auto cfg = make_cfg(4, sym, a, 32, kvq::MetaDType::kF32);
+        auto cfg = int_cfg(4, sym, a, 32, kvq::MetaDType::kF32);
         auto q = kvq::quantize(cfg, KVView<const float>(data.data(), s));
         std::vector<float> y(data.size());
         kvq::dequantize(q, KVView<float>(y.data(), s));
@@ -205,14 +195,14 @@ TEST(Uniform, NonFiniteInputIsRejectedWithLocation) {
       std::vector<float> data(static_cast<size_t>(s.numel()), 1.f);
       data[(5 * 2 + 1) * 32 + 7] = bad;
       try {
-        kvq::quantize(make_cfg(4, false, a, 8), KVView<const float>(data.data(), s));
+        kvq::quantize(int_cfg(4, false, a, 8), KVView<const float>(data.data(), s));
         FAIL() << "accepted " << bad;
       } catch (const kvq::Error& e) {
         EXPECT_EQ(e.kind(), kvq::ErrorKind::kNonFinite);
         EXPECT_NE(std::string(e.what()).find("token=5, head=1, channel=7"), std::string::npos)
             << e.what();
       }
-      EXPECT_THROW(kvq::reference::quantize_uniform(make_cfg(4, false, a, 8),
+      EXPECT_THROW(kvq::reference::quantize_uniform(int_cfg(4, false, a, 8),
                                                     KVView<const float>(data.data(), s)),
                    kvq::Error);
     }
@@ -224,25 +214,25 @@ TEST(Uniform, GroupMustDivideExtent) {
   std::vector<float> data(static_cast<size_t>(s.numel()), 1.f);
   KVView<const float> x(data.data(), s);
   try {
-    kvq::quantize(make_cfg(4, false, Axis::kChannel, 32), x);
+    kvq::quantize(int_cfg(4, false, Axis::kChannel, 32), x);
     FAIL();
   } catch (const kvq::Error& e) {
     EXPECT_EQ(e.kind(), kvq::ErrorKind::kShapeMismatch);
     EXPECT_NE(std::string(e.what()).find("does not divide the extent 40"), std::string::npos)
         << e.what();
   }
-  EXPECT_THROW(kvq::quantize(make_cfg(4, false, Axis::kToken, 24), x), kvq::Error);
-  EXPECT_THROW(kvq::quantize(make_cfg(4, false, Axis::kToken, -1), x), kvq::Error);
-  EXPECT_THROW(kvq::quantize(make_cfg(5, false, Axis::kToken, 32), x), kvq::Error);
-  EXPECT_THROW(kvq::quantize(make_cfg(1, false, Axis::kToken, 32), x), kvq::Error);
+  EXPECT_THROW(kvq::quantize(int_cfg(4, false, Axis::kToken, 24), x), kvq::Error);
+  EXPECT_THROW(kvq::quantize(int_cfg(4, false, Axis::kToken, -1), x), kvq::Error);
+  EXPECT_THROW(kvq::quantize(int_cfg(5, false, Axis::kToken, 32), x), kvq::Error);
+  EXPECT_THROW(kvq::quantize(int_cfg(1, false, Axis::kToken, 32), x), kvq::Error);
   // a group larger than the extent is clamped to the whole extent
-  EXPECT_NO_THROW(kvq::quantize(make_cfg(4, false, Axis::kToken, 256), x));
+  EXPECT_NO_THROW(kvq::quantize(int_cfg(4, false, Axis::kToken, 256), x));
 }
 
 TEST(Uniform, EmptyTensors) {
   for (Shape s : {Shape{0, 2, 64}, Shape{4, 0, 64}, Shape{4, 2, 0}}) {
     KVView<const float> x(nullptr, s);
-    auto cfg = make_cfg(4, false, Axis::kChannel, 32);
+    auto cfg = int_cfg(4, false, Axis::kChannel, 32);
     auto q = kvq::quantize(cfg, x);
     EXPECT_EQ(q.bytes(), 0u);
     EXPECT_EQ(kvq::account(cfg, s).total(), 0u);
@@ -258,13 +248,13 @@ TEST(Uniform, Fp16MetadataOverflowIsAnError) {
   data[4] = -1e6f;
   KVView<const float> x(data.data(), s);
   try {
-    kvq::quantize(make_cfg(4, false, Axis::kToken, 32), x);
+    kvq::quantize(int_cfg(4, false, Axis::kToken, 32), x);
     FAIL();
   } catch (const kvq::Error& e) {
     EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
     EXPECT_NE(std::string(e.what()).find("use f32 metadata"), std::string::npos) << e.what();
   }
-  auto q = kvq::quantize(make_cfg(4, false, Axis::kToken, 32, kvq::MetaDType::kF32), x);
+  auto q = kvq::quantize(int_cfg(4, false, Axis::kToken, 32, kvq::MetaDType::kF32), x);
   std::vector<float> y(data.size());
   kvq::dequantize(q, KVView<float>(y.data(), s));
   for (float v : y) EXPECT_TRUE(std::isfinite(v));
@@ -276,10 +266,10 @@ TEST(Uniform, HugeFiniteRangeNeverGivesNaN) {
   data[0] = 3e38f;
   data[1] = -3e38f;  // range overflows float: a clear error, not NaN
   KVView<const float> x(data.data(), s);
-  EXPECT_THROW(kvq::quantize(make_cfg(8, false, Axis::kToken, 32, kvq::MetaDType::kF32), x),
+  EXPECT_THROW(kvq::quantize(int_cfg(8, false, Axis::kToken, 32, kvq::MetaDType::kF32), x),
                kvq::Error);
   data[1] = 1e38f;
-  auto q = kvq::quantize(make_cfg(8, true, Axis::kToken, 32, kvq::MetaDType::kF32), x);
+  auto q = kvq::quantize(int_cfg(8, true, Axis::kToken, 32, kvq::MetaDType::kF32), x);
   std::vector<float> y(data.size());
   kvq::dequantize(q, KVView<float>(y.data(), s));
   for (float v : y) EXPECT_TRUE(std::isfinite(v));
@@ -288,7 +278,7 @@ TEST(Uniform, HugeFiniteRangeNeverGivesNaN) {
 TEST(Uniform, DequantizeShapeMismatchIsAnError) {
   const Shape s{4, 2, 32};
   std::vector<float> data(static_cast<size_t>(s.numel()), 1.f);
-  auto q = kvq::quantize(make_cfg(4, false, Axis::kToken, 32), KVView<const float>(data.data(), s));
+  auto q = kvq::quantize(int_cfg(4, false, Axis::kToken, 32), KVView<const float>(data.data(), s));
   std::vector<float> y(data.size());
   EXPECT_THROW(kvq::dequantize(q, KVView<float>(y.data(), Shape{2, 4, 32})), kvq::Error);
 }
