@@ -2,7 +2,7 @@
 // held in kvq's quantized cache under each policy.
 //
 //   kvq_perplexity --model M --tokenizer T --text F --policy SPEC[;SPEC...] [--json]
-//                  [--max-seqs N] [--seq-len N] [--simulate [--prerope]]
+//                  [--max-seqs N] [--seq-len N] [--simulate] [--prerope]
 //
 // The cache is kvq's streaming KVCache (keys and values packed in shared blocks), or with
 // --simulate the SimulatedBackend (cache/simulated_backend.hpp: every key and value scale group
@@ -42,7 +42,7 @@ class MeasuringBackend final : public kvq::eval::KVBackend {
       o.prerope_keys = prerope;
       sim_ = std::make_unique<kvq::SimulatedBackend>(std::move(p), g, o);
     } else {
-      cache_ = std::make_unique<kvq::CacheBackend>(std::move(p), g);
+      cache_ = std::make_unique<kvq::CacheBackend>(std::move(p), g, prerope);
     }
   }
   void reset() override {
@@ -90,8 +90,8 @@ void usage() {
                "--simulate: quantize each key/value scale group as soon as it is complete (keys\n"
                "  and values independently; simulated quantization, the reference table's rule)\n"
                "  instead of the streaming cache's shared blocks\n"
-               "--prerope: with --simulate (implied), quantize keys before RoPE and apply RoPE\n"
-               "  after dequantization (KVQuant)\n"
+               "--prerope: quantize keys before RoPE and apply RoPE after dequantization\n"
+               "  (KVQuant), in the streaming cache or with --simulate\n"
                "defaults: %s/data/stories260K/{stories260K.bin,tok512.bin,tinystories-dev.txt}, "
                "policy f32\n",
                KVQ_SHARED_DIR);
@@ -131,7 +131,7 @@ int main(int argc, char** argv) {
     else if (a == "--policy") policy_arg = next();
     else if (a == "--json") json = true;
     else if (a == "--simulate") simulate = true;
-    else if (a == "--prerope") prerope = simulate = true;
+    else if (a == "--prerope") prerope = true;
     else if (a == "--max-seqs") opt.max_sequences = parse_count(a, next());
     else if (a == "--seq-len") opt.max_seq_len = parse_count(a, next());
     else if (a == "-h" || a == "--help") {
@@ -180,9 +180,9 @@ int main(int argc, char** argv) {
         {"tool", "kvq_perplexity"},
         {"model", model_path},
         {"text", text_path},
-        {"cache", simulate ? (prerope ? "simulated, keys quantized before RoPE"
-                                      : "simulated (each group quantized when complete)")
-                           : "streaming KVCache"},
+        {"cache", std::string(simulate ? "simulated (each group quantized when complete)"
+                                       : "streaming KVCache") +
+                      (prerope ? ", keys quantized before RoPE" : "")},
         {"reference_perplexity", kvq_tools::raw_json(kvq_tools::json_number(r0.test.perplexity()))},
         {"reference_tokens", kvq_tools::raw_json(std::to_string(r0.test.tokens))}};
     if (json) {

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kvq/cache/kv_cache.hpp"
+#include "kvq/core/rope.hpp"
 #include "kvq/eval/metrics.hpp"
 #include "kvq/eval/synthetic.hpp"
 #include "kvq/io/kv_dump.hpp"
@@ -34,20 +35,6 @@ void usage() {
                "usage: kvq_quantize_dump --policy SPEC[;SPEC...] [--json] [--queries N]\n"
                "                         [--prerope [--rope-theta T] [--rope-style adjacent|half]] "
                "PATH\n");
-}
-
-/// RoPE with the "half" convention (HF rotate_half: pairs (i, i + d/2)).
-void apply_rope_half(float* x, int64_t tokens, int64_t heads, int64_t d, double theta) {
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t h = 0; h < heads; ++h) {
-      float* r = x + (t * heads + h) * d;
-      for (int64_t i = 0; i < d / 2; ++i) {
-        const double a = static_cast<double>(t) * std::pow(theta, -2.0 * i / d);
-        const double c = std::cos(a), s = std::sin(a), x0 = r[i], x1 = r[i + d / 2];
-        r[i] = static_cast<float>(x0 * c - x1 * s);
-        r[i + d / 2] = static_cast<float>(x0 * s + x1 * c);
-      }
-    }
 }
 
 }  // namespace
@@ -162,8 +149,10 @@ int main(int argc, char** argv) {
         cache.read(l, 0, T, kvq::KVView<float>(kd.data(), shape),
                    kvq::KVView<float>(vd.data(), shape));
         if (prerope) {
-          if (rope_style == "half") apply_rope_half(kd.data(), T, H, D, theta);
-          else kvq::eval::apply_rope(kd.data(), T, H, D, 0, theta);
+          kvq::RopeConfig rc;
+          rc.theta = theta;
+          rc.style = rope_style == "half" ? kvq::RopeStyle::kHalf : kvq::RopeStyle::kAdjacent;
+          kvq::apply_rope_pairs(kd.data(), T, H, D, 0, rc);
         }
         kvq::KVView<const float> kref(K[li].data(), shape), vref(V[li].data(), shape);
         kvq::KVView<const float> kt(kd.data(), shape), vt(vd.data(), shape);

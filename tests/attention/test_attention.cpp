@@ -327,7 +327,47 @@ TEST(CacheBackend, RealModelPerplexityUnderPolicies) {
   EXPECT_LT(ppl("kivi4") / base, 1.01);
   const double k2 = ppl("kivi2,residual=0"), flip = ppl("kivi2-flip,residual=0");
   EXPECT_LT(k2, flip);
+
+  // Pre-RoPE keys (KVQuant): the cache holds k_prerope and attention rotates after
+  // dequantization. Unquantized, that is the model itself; at 2 bits per channel it loses less
+  // than half of what post-RoPE grouping loses.
+  auto ppl_pre = [&](const char* spec) {
+    kvq::CacheBackend be(parse_policy(spec), g, true);
+    const double p = perplexity(model, tok, be, lines);
+    std::printf("  stories260K, %d lines: %-22s pre-RoPE perplexity %.4f\n", lines, spec, p);
+    return p;
+  };
+  EXPECT_NEAR(ppl_pre("f32"), base, 1e-4 * base);
+  EXPECT_LT(ppl_pre("kivi2,residual=0") - base, 0.5 * (k2 - base));
 }
 #endif
+
+// attend() with key_rope over a cache of pre-RoPE keys equals attend() over the same keys
+// rotated beforehand, across every kind of segment (sinks, packed blocks, residual window).
+TEST(Attention, KeyRopeOverPreRopeCacheEqualsRotatedKeys) {
+  const int H = 2, D = 16, T = 75, NQ = 4;
+  const kvq::Shape s{T, H, D};
+  const auto kp = kvq_test::kv_data(s, 31, true), v = kvq_test::kv_data(s, 32, false);
+  std::vector<float> k = kp;
+  kvq::apply_rope_pairs(k.data(), T, H, D, 0);
+  const auto q = kvq_test::kv_data(kvq::Shape{NQ, 2 * H, D}, 33, false);
+  for (const char* spec : {"k=f32,v=f32,sinks=3,residual=5", "kivi4,sinks=2"}) {
+    KVCache pre(parse_policy(spec), 1, H, D), post(parse_policy(spec), 1, H, D);
+    pre.append(0, KVView<const float>(kp.data(), s), KVView<const float>(v.data(), s));
+    post.append(0, KVView<const float>(k.data(), s), KVView<const float>(v.data(), s));
+    std::vector<float> a(q.size()), b(q.size());
+    const kvq::RopeConfig rc;
+    const KVView<const float> qv(q.data(), kvq::Shape{NQ, 2 * H, D});
+    kvq::attend(pre, 0, qv, KVView<float>(a.data(), qv.shape()), true, &rc);
+    kvq::attend(post, 0, qv, KVView<float>(b.data(), qv.shape()), true);
+    if (std::string(spec).rfind("k=f32", 0) == 0) {  // exact storage: same attention
+      for (size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(a[i], b[i], 1e-5f * (1 + std::fabs(b[i]))) << spec << " " << i;
+    } else {  // quantized: both close to f32 attention, and not identical (different groups)
+      double diff = 0;
+      for (size_t i = 0; i < a.size(); ++i) diff += std::fabs(a[i] - b[i]);
+      EXPECT_GT(diff, 0.0) << spec;
+    }
+  }
+}
 
 }  // namespace

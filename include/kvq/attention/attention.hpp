@@ -23,6 +23,7 @@
 
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/core/error.hpp"
+#include "kvq/core/rope.hpp"
 #include "kvq/core/rows.hpp"
 #include "kvq/core/tensor.hpp"
 #include "kvq/quant/quantize.hpp"
@@ -45,8 +46,11 @@ struct AttentionWorkspace {
 /// over `cache`, written to `out` (same shape, any strides). n_heads must be a multiple of the
 /// cache's kv_heads; with `causal`, n_q must not exceed the layer's tokens. Throws (writing
 /// nothing) on shape errors, an empty layer, or a non-finite query.
+/// `key_rope`: the cache holds keys *before* RoPE (KVQuant); every key row is rotated
+/// (core/rope.hpp) at its position after dequantization, before scoring. Queries are taken as
+/// given (already rotated).
 inline void attend(const KVCache& cache, int layer, KVView<const float> q, KVView<float> out,
-                   bool causal, AttentionWorkspace& ws) {
+                   bool causal, AttentionWorkspace& ws, const RopeConfig* key_rope = nullptr) {
   const int64_t T = cache.tokens(layer);
   const int64_t nq = q.tokens(), nh = q.heads(), D = cache.head_dim();
   const int64_t H = cache.kv_heads();
@@ -91,6 +95,13 @@ inline void attend(const KVCache& cache, int layer, KVView<const float> q, KVVie
     } else {
       kp = s.key_rows.data();
       vp = s.value_rows.data();
+    }
+    if (key_rope != nullptr) {  // pre-RoPE cache: rotate this segment's keys at their positions
+      if (kp != ws.kblock.data()) {
+        ws.kblock.assign(kp, kp + len * H * D);
+        kp = ws.kblock.data();
+      }
+      apply_rope_pairs(ws.kblock.data(), len, H, D, s.begin, *key_rope);
     }
     ws.scores.resize(static_cast<std::size_t>(len));
     for (int64_t i = 0; i < nq; ++i) {
@@ -139,18 +150,18 @@ inline void attend(const KVCache& cache, int layer, KVView<const float> q, KVVie
 
 /// attend() with a workspace of its own (convenient; allocates per call).
 inline void attend(const KVCache& cache, int layer, KVView<const float> q, KVView<float> out,
-                   bool causal = true) {
+                   bool causal = true, const RopeConfig* key_rope = nullptr) {
   AttentionWorkspace ws;
-  attend(cache, layer, q, out, causal, ws);
+  attend(cache, layer, q, out, causal, ws, key_rope);
 }
 
 /// Single-query decode attention: q and out are [n_heads, head_dim] floats for the newest
 /// position of `layer`.
 inline void attend_one(const KVCache& cache, int layer, const float* q, int n_heads, float* out,
-                       AttentionWorkspace& ws) {
+                       AttentionWorkspace& ws, const RopeConfig* key_rope = nullptr) {
   const int D = cache.head_dim();
   attend(cache, layer, KVView<const float>::nhd(q, 1, n_heads, D),
-         KVView<float>::nhd(out, 1, n_heads, D), true, ws);
+         KVView<float>::nhd(out, 1, n_heads, D), true, ws, key_rope);
 }
 
 }  // namespace kvq

@@ -7,9 +7,10 @@
 /// This adapter sits at the top of the stack (it includes attention/, which is above cache/);
 /// nothing else in cache/ depends on it.
 ///
-/// Keys are stored post-RoPE (the `k` argument): the cache has no RoPE of its own to apply
-/// after dequantization, so pre-RoPE key quantization (KVQuant) is not what this backend
-/// measures.
+/// Keys are stored post-RoPE (the `k` argument) by default. With prerope_keys the cache holds
+/// the pre-RoPE keys (`k_prerope`) and attention rotates them after dequantization
+/// (core/rope.hpp, llama2.c's convention) — KVQuant's pre-RoPE key quantization in a real
+/// streaming cache.
 #include <utility>
 
 #include "kvq/attention/attention.hpp"
@@ -23,13 +24,20 @@ namespace kvq {
 /// A KVBackend that stores every layer's keys and values in a KVCache under `policy`.
 class CacheBackend final : public eval::KVBackend {
  public:
-  CacheBackend(Policy policy, const eval::KVGeometry& g)
-      : cache_(std::move(policy), g.n_layers, g.n_kv_heads, g.head_dim, g.max_tokens) {}
+  CacheBackend(Policy policy, const eval::KVGeometry& g, bool prerope_keys = false,
+               RopeConfig rope = {})
+      : cache_(std::move(policy), g.n_layers, g.n_kv_heads, g.head_dim, g.max_tokens),
+        prerope_(prerope_keys),
+        rope_(rope) {
+    KVQ_REQUIRE(!prerope_keys || g.head_dim % 2 == 0, kInvalidArgument,
+                "CacheBackend: pre-RoPE keys need an even head_dim, got ", g.head_dim);
+  }
 
   void reset() override { cache_.clear(); }
 
-  void append(int layer, int pos, const float* /*k_prerope*/, const float* k,
+  void append(int layer, int pos, const float* k_prerope, const float* k,
               const float* v) override {
+    if (prerope_) k = k_prerope;
     const int64_t t = cache_.tokens(layer);
     KVQ_REQUIRE(pos == t, kInvalidArgument, "CacheBackend::append: layer ", layer, " holds ", t,
                 " tokens, so the next position must be ", t, ", got ", pos);
@@ -43,13 +51,15 @@ class CacheBackend final : public eval::KVBackend {
     KVQ_REQUIRE(t > 0 && pos == t - 1, kInvalidArgument, "CacheBackend::attend: layer ", layer,
                 " holds ", t, " tokens; a query at position ", pos,
                 " must come right after appending its own token");
-    attend_one(cache_, layer, q, n_heads, out, ws_);
+    attend_one(cache_, layer, q, n_heads, out, ws_, prerope_ ? &rope_ : nullptr);
   }
 
   const KVCache& cache() const { return cache_; }
 
  private:
   KVCache cache_;
+  bool prerope_;
+  RopeConfig rope_;
   AttentionWorkspace ws_;
 };
 

@@ -23,16 +23,15 @@
 ///
 /// Pre-RoPE keys (KVQuant): with SimulatedOptions::prerope_keys the key groups are formed from
 /// the keys *before* RoPE (the `k_prerope` the model appends), dequantized, and rotated by RoPE
-/// at their positions afterwards. RoPE here is llama2.c's: adjacent channel pairs (2i, 2i+1)
-/// rotated by pos * theta^(-2i/head_dim), cos/sin computed in double and rounded to float, the
-/// rotation in float — the model's own formula, so an unquantized key comes back as the model
-/// computed it (up to the compiler's FMA contraction).
+/// at their positions afterwards, with kvq::apply_rope_pairs (core/rope.hpp: llama2.c's
+/// convention, so an unquantized key comes back as the model computed it).
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/core/error.hpp"
+#include "kvq/core/rope.hpp"
 #include "kvq/eval/kv_backend.hpp"
 #include "kvq/policy/spec.hpp"
 #include "kvq/quant/quantize.hpp"
@@ -88,7 +87,11 @@ class SimulatedBackend final : public eval::KVBackend {
         quantize(s.cfg, in, s.q);
         s.out.resize(static_cast<size_t>(shape.numel()));
         dequantize(s.q, KVView<float>(s.out.data(), shape));
-        if (kv == 0 && opt_.prerope_keys) rope_rows(s.out.data(), s.next, s.group);
+        if (kv == 0 && opt_.prerope_keys) {
+          RopeConfig rc;
+          rc.theta = opt_.rope_theta;
+          apply_rope_pairs(s.out.data(), s.group, g_.n_kv_heads, g_.head_dim, s.next, rc);
+        }
         const KVView<const float> back(s.out.data(), shape);
         if (kv == 0) {
           fp_.overwrite_keys(layer, s.next, back);
@@ -139,28 +142,6 @@ class SimulatedBackend final : public eval::KVBackend {
     int packed_tokens = 0;
   };
   Side& side(int layer, int kv) { return side_[static_cast<size_t>(2 * layer + kv)]; }
-
-  /// RoPE (see the file comment) on n rows [tokens, kv_heads, head_dim] at positions first...
-  void rope_rows(float* x, int first, int n) const {
-    const int hd = g_.head_dim, half = hd / 2;
-    std::vector<float> cs(static_cast<size_t>(half)), sn(cs.size());
-    for (int t = 0; t < n; ++t) {
-      for (int i = 0; i < half; ++i) {
-        const double a = static_cast<double>(first + t) *
-                         std::pow(opt_.rope_theta, -static_cast<double>(2 * i) / hd);
-        cs[static_cast<size_t>(i)] = static_cast<float>(std::cos(a));
-        sn[static_cast<size_t>(i)] = static_cast<float>(std::sin(a));
-      }
-      for (int h = 0; h < g_.n_kv_heads; ++h) {
-        float* r = x + (static_cast<size_t>(t) * g_.n_kv_heads + h) * hd;
-        for (int i = 0; i < half; ++i) {
-          const float a = r[2 * i], b = r[2 * i + 1];
-          r[2 * i] = a * cs[static_cast<size_t>(i)] - b * sn[static_cast<size_t>(i)];
-          r[2 * i + 1] = a * sn[static_cast<size_t>(i)] + b * cs[static_cast<size_t>(i)];
-        }
-      }
-    }
-  }
 
   Policy policy_;
   eval::KVGeometry g_;
