@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -29,6 +30,7 @@
 
 #include "kvq/accounting/accountant.hpp"
 #include "kvq/cache/cache_backend.hpp"
+#include "kvq/core/rope.hpp"
 #include "kvq/eval/llama2c.hpp"
 #include "kvq/eval/metrics.hpp"
 #include "kvq/eval/synthetic.hpp"
@@ -43,6 +45,7 @@ struct Scheme {
   std::string name;      // e.g. "int2 K:channel V:token g32"
   std::string geometry;  // plot group
   kvq::QuantConfig k, v;
+  bool prerope = false;  // keys quantized before RoPE, RoPE applied after dequantization
 };
 
 kvq::QuantConfig raw(kvq::Format f) { return kvq::raw_config(f); }
@@ -94,6 +97,11 @@ std::vector<Scheme> default_grid() {
   for (int bits : {2, 3})
     g.push_back({"lm" + std::to_string(bits) + "+qjl K, lm" + std::to_string(bits + 1) + " V",
                  "rotation + Lloyd-Max + QJL (keys)", lm(bits, true), lm(bits + 1, false)});
+  // KVQuant: per-channel key groups formed before RoPE (only where the input has pre-RoPE keys).
+  for (int bits : {2, 3, 4})
+    g.push_back({"int" + std::to_string(bits) + " K channel pre-RoPE / V token g32",
+                 "K channel pre-RoPE / V token", integer(bits, Axis::kChannel, 32),
+                 integer(bits, Axis::kToken, 32), true});
   return g;
 }
 
@@ -101,12 +109,15 @@ std::vector<Scheme> default_grid() {
 /// [nq, q_heads, head_dim] at positions tokens - nq .. tokens - 1 (each attends causally).
 struct Layer {
   std::vector<float> k, v, q;
+  std::vector<float> kp;  // pre-RoPE keys (empty when the input has none)
   int64_t nq = 0;
 };
 
 struct Input {
   std::string description;   // one line, for the table header, JSON and plot title
   std::string query_source;  // where the attention queries come from
+  /// RoPE that turns the pre-RoPE keys into the keys (positions 0..tokens-1), when kp is set.
+  std::function<void(float*, const kvq::Shape&)> rope;
   kvq::Shape shape;
   int q_heads = 0;
   std::vector<Layer> layers;
@@ -121,18 +132,22 @@ Input synthetic_input(const kvq::eval::SyntheticSpec& spec) {
                    std::to_string(spec.layers) + " layers x " + in.shape.str();
   in.query_source = "synthetic queries (last " + std::to_string(spec.queries) +
                     " positions, causal)";
+  in.rope = [](float* x, const kvq::Shape& s) {  // the generator's own RoPE
+    kvq::eval::apply_rope(x, s.tokens, s.heads, s.head_dim, 0);
+  };
   for (auto& L : kvq::eval::make_synthetic_kv(spec)) {
     Layer l;
     l.k = std::move(L.k);
     l.v = std::move(L.v);
     l.q = std::move(L.q);
+    l.kp = std::move(L.k_prerope);
     l.nq = spec.queries;
     in.layers.push_back(std::move(l));
   }
   return in;
 }
 
-Input dump_input(const std::string& path, int n_queries) {
+Input dump_input(const std::string& path, int n_queries, const kvq::RopeConfig& rc) {
   const kvq::io::KVDump dump = kvq::io::load_kv_dump(path);
   Input in;
   in.shape = dump.layers.at(0).k.kv_shape();
@@ -150,6 +165,7 @@ Input dump_input(const std::string& path, int n_queries) {
     Layer l;
     l.k = d.k.to_float();
     l.v = d.v.to_float();
+    if (d.k_prerope) l.kp = d.k_prerope->to_float();
     l.nq = std::min<int64_t>(n_queries, T);
     const int64_t first = T - l.nq;
     if (have_q) {
@@ -167,6 +183,15 @@ Input dump_input(const std::string& path, int n_queries) {
                                  std::to_string(in.layers[0].nq) + " positions, causal)";
   in.description = "KV dump " + path + ", " + std::to_string(in.layers.size()) + " layers x " +
                    in.shape.str();
+  bool all_kp = true;
+  for (const Layer& l : in.layers) all_kp = all_kp && !l.kp.empty();
+  if (!all_kp) {
+    for (Layer& l : in.layers) l.kp.clear();
+  } else {  // RoPE of the dump's pre-RoPE keys, as given by --rope-style / --rope-theta
+    in.rope = [rc](float* x, const kvq::Shape& s) {
+      kvq::apply_rope_pairs(x, s.tokens, s.heads, s.head_dim, 0, rc);
+    };
+  }
   return in;
 }
 
@@ -237,6 +262,7 @@ Input model_input(kvq::eval::Llama2cModel& model, const kvq::eval::Tokenizer& to
   for (int l = 0; l < geo.n_layers; ++l) {
     Layer L;
     L.k = to_vector(be.inner().keys(l));
+    L.kp = to_vector(be.inner().keys_prerope(l));
     L.v = to_vector(be.inner().values(l));
     L.nq = std::min<int64_t>(n_queries, T);
     const auto& q = be.queries(l);
@@ -245,6 +271,9 @@ Input model_input(kvq::eval::Llama2cModel& model, const kvq::eval::Tokenizer& to
   }
   in.query_source = "the model's own queries (last " + std::to_string(in.layers[0].nq) +
                     " positions, causal)";
+  in.rope = [](float* x, const kvq::Shape& s) {  // llama2.c's RoPE
+    kvq::apply_rope_pairs(x, s.tokens, s.heads, s.head_dim, 0);
+  };
   in.description = "model " + model_path + " (K/V of text line " + std::to_string(which + 1) +
                    "), " + std::to_string(geo.n_layers) + " layers x " + in.shape.str();
   return in;
@@ -258,9 +287,12 @@ kvq_tools::Row evaluate_scheme(const Scheme& sc, const Input& in) {
   double bytes = 0, acct = 0, kerr = 0, verr = 0, serr = 0, wkl = 0, oerr = 0;
   int64_t nmeas = 0;
   const int64_t qstride = static_cast<int64_t>(in.q_heads) * shape.head_dim;
+  KVQ_REQUIRE(!sc.prerope || !in.layers.front().kp.empty(), kUnsupported,
+              "the input has no pre-RoPE keys");
   for (const Layer& L : in.layers) {
     kvq::KVView<const float> k(L.k.data(), shape), v(L.v.data(), shape);
-    const auto qk = kvq::quantize(sc.k, k);
+    const auto qk = kvq::quantize(
+        sc.k, sc.prerope ? kvq::KVView<const float>(L.kp.data(), shape) : k);
     const auto qv = kvq::quantize(sc.v, v);
     bytes += static_cast<double>(qk.bytes() + qv.bytes());
     acct += static_cast<double>(kvq::account(sc.k, shape).total() +
@@ -268,6 +300,7 @@ kvq_tools::Row evaluate_scheme(const Scheme& sc, const Input& in) {
     kvq::KVView<float> kd(kq.data(), shape), vd(vq.data(), shape);
     kvq::dequantize(qk, kd);
     kvq::dequantize(qv, vd);
+    if (sc.prerope) in.rope(kq.data(), shape);
     const kvq::KVView<const float> kt(kq.data(), shape), vt(vq.data(), shape);
     kerr += kvq::eval::relative_mse(k, kt);
     verr += kvq::eval::relative_mse(v, vt);
@@ -302,7 +335,8 @@ kvq_tools::Row evaluate_scheme(const Scheme& sc, const Input& in) {
 
 /// The scheme as a policy spec (residual 0), for kvq_perplexity / kvq_quantize_dump.
 std::string scheme_spec(const Scheme& sc) {
-  return "k=" + kvq::config_spec(sc.k) + ",v=" + kvq::config_spec(sc.v) + ",residual=0";
+  return "k=" + kvq::config_spec(sc.k) + ",v=" + kvq::config_spec(sc.v) + ",residual=0" +
+         (sc.prerope ? " (keys pre-RoPE: kvq_perplexity --prerope)" : "");
 }
 
 #ifndef KVQ_SHARED_DIR
@@ -315,7 +349,9 @@ void usage(const char* argv0) {
                "input (default: kvq's built-in SYNTHETIC KV generator):\n"
                "  [--layers N] [--tokens T] [--kv-heads H] [--q-heads Q] [--head-dim D] [--seed S]\n"
                "                        shape of the synthetic input (default 4 x 1024 x 4 x 128)\n"
-               "  --dump PATH           a KV dump (.safetensors or directory of .npy files)\n"
+               "  --dump PATH [--rope-style adjacent|half] [--rope-theta T]\n"
+               "                        a KV dump (.safetensors or directory of .npy files); the\n"
+               "                        RoPE of its k_prerope keys (default adjacent, 10000)\n"
                "  --model M [--tokenizer T] [--text F] [--max-seqs N] [--no-perplexity]\n"
                "                        a llama2.c model: tensor errors on its real K/V/Q, plus\n"
                "                        perplexity and KL over F per scheme (tokenizer and text\n"
@@ -359,6 +395,7 @@ int main(int argc, char** argv) {
               text_path = base + "tinystories-dev.txt";
   bool json_stdout = false, perplexity = true, synthetic_flags = false;
   int n_queries = 16, max_seqs = 0;
+  kvq::RopeConfig dump_rope;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> const char* {
@@ -388,6 +425,23 @@ int main(int argc, char** argv) {
     else if (a == "--queries") n_queries = spec.queries = parse_int("--queries", next());
     else if (a == "--max-seqs") max_seqs = parse_int("--max-seqs", next(), 0);
     else if (a == "--no-perplexity") perplexity = false;
+    else if (a == "--rope-style") {
+      const std::string v = next();
+      if (v != "adjacent" && v != "half") {
+        std::fprintf(stderr, "kvq_compare: --rope-style must be adjacent or half, got '%s'\n",
+                     v.c_str());
+        return 2;
+      }
+      dump_rope.style = v == "half" ? kvq::RopeStyle::kHalf : kvq::RopeStyle::kAdjacent;
+    } else if (a == "--rope-theta") {
+      const char* v = next();
+      char* end = nullptr;
+      dump_rope.theta = std::strtod(v, &end);
+      if (!end || *end || !(dump_rope.theta > 1)) {
+        std::fprintf(stderr, "kvq_compare: --rope-theta needs a number > 1, got '%s'\n", v);
+        return 2;
+      }
+    }
     else if (a == "--json") json_stdout = true;
     else if (a == "-h" || a == "--help") {
       usage(argv[0]);
@@ -410,7 +464,7 @@ int main(int argc, char** argv) {
     std::unique_ptr<kvq::eval::Tokenizer> tok;
     std::vector<std::string> lines;
     if (!dump_path.empty()) {
-      in = dump_input(dump_path, n_queries);
+      in = dump_input(dump_path, n_queries, dump_rope);
     } else if (!model_path.empty()) {
       model = std::make_unique<kvq::eval::Llama2cModel>(model_path);
       tok = std::make_unique<kvq::eval::Tokenizer>(tok_path, model->config().vocab_size);
@@ -466,7 +520,7 @@ int main(int argc, char** argv) {
         kvq::Policy p;
         p.key = grid[si].k;
         p.value = grid[si].v;
-        kvq::CacheBackend be(p, model->kv_geometry());
+        kvq::CacheBackend be(p, model->kv_geometry(), grid[si].prerope);
         kvq::eval::EvalOptions popt = opt;
         popt.reference_trace = &trace;
         const auto r = kvq::eval::evaluate_text(*model, *tok, be, lines, popt);
