@@ -31,6 +31,7 @@
 #include "kvq/accounting/accountant.hpp"
 #include "kvq/cache/cache_backend.hpp"
 #include "kvq/core/rope.hpp"
+#include "kvq/core/rows.hpp"
 #include "kvq/eval/llama2c.hpp"
 #include "kvq/eval/metrics.hpp"
 #include "kvq/eval/synthetic.hpp"
@@ -223,15 +224,6 @@ class RecordingBackend final : public kvq::eval::KVBackend {
   int n_heads_ = 0;
 };
 
-std::vector<float> to_vector(kvq::KVView<const float> v) {
-  std::vector<float> out(static_cast<size_t>(v.numel()));
-  size_t i = 0;
-  for (int64_t t = 0; t < v.tokens(); ++t)
-    for (int64_t h = 0; h < v.heads(); ++h)
-      for (int64_t d = 0; d < v.head_dim(); ++d) out[i++] = v.at(t, h, d);
-  return out;
-}
-
 /// The model's K, V and queries on the longest of the first 64 non-empty lines of the text.
 Input model_input(kvq::eval::Llama2cModel& model, const kvq::eval::Tokenizer& tok,
                   const std::vector<std::string>& lines, const std::string& model_path,
@@ -261,9 +253,9 @@ Input model_input(kvq::eval::Llama2cModel& model, const kvq::eval::Tokenizer& to
   in.q_heads = be.n_heads();
   for (int l = 0; l < geo.n_layers; ++l) {
     Layer L;
-    L.k = to_vector(be.inner().keys(l));
-    L.kp = to_vector(be.inner().keys_prerope(l));
-    L.v = to_vector(be.inner().values(l));
+    L.k = kvq::to_float_nhd(be.inner().keys(l));
+    L.kp = kvq::to_float_nhd(be.inner().keys_prerope(l));
+    L.v = kvq::to_float_nhd(be.inner().values(l));
     L.nq = std::min<int64_t>(n_queries, T);
     const auto& q = be.queries(l);
     L.q.assign(q.end() - L.nq * in.q_heads * geo.head_dim, q.end());

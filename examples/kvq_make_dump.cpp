@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "kvq/core/rows.hpp"
 #include "kvq/eval/llama2c.hpp"
 #include "kvq/eval/synthetic.hpp"
 #include "kvq/io/kv_dump.hpp"
@@ -94,12 +95,7 @@ int main(int argc, char** argv) {
       for (size_t p = 0; p < ids.size(); ++p) m.forward(ids[p], static_cast<int>(p), be, logits.data());
       for (int l = 0; l < m.config().n_layers; ++l) {
         auto copy = [&](kvq::KVView<const float> v) {
-          std::vector<float> buf(static_cast<size_t>(v.numel()));
-          size_t i = 0;
-          for (int64_t a = 0; a < v.tokens(); ++a)
-            for (int64_t h = 0; h < v.heads(); ++h)
-              for (int64_t d = 0; d < v.head_dim(); ++d) buf[i++] = v.at(a, h, d);
-          return arr(buf.data(), v.tokens(), v.heads(), v.head_dim());
+          return arr(kvq::to_float_nhd(v).data(), v.tokens(), v.heads(), v.head_dim());
         };
         kvq::io::KVDump::Layer ly;
         ly.k = copy(be.keys(l));

@@ -3,6 +3,7 @@
 
 #include <vector>
 
+#include "kvq/core/rows.hpp"
 #include "kvq/core/tensor.hpp"
 
 namespace {
@@ -92,3 +93,17 @@ TEST(Tensor, ErrorMessagesNameTheShape) {
 }
 
 }  // namespace
+
+TEST(ToFloatNhd, CopiesAnyViewToContiguousFloats) {
+  const kvq::Shape s{3, 2, 4};
+  std::vector<kvq::f16> hnd(static_cast<size_t>(s.numel()));
+  for (size_t i = 0; i < hnd.size(); ++i) hnd[i] = kvq::f16(0.25f * static_cast<float>(i) - 2.f);
+  const kvq::KVView<const kvq::f16> v(hnd.data(), s, kvq::Layout::kHND);  // strided tokens
+  const std::vector<float> out = kvq::to_float_nhd(v);
+  ASSERT_EQ(out.size(), hnd.size());
+  size_t i = 0;
+  for (int64_t t = 0; t < s.tokens; ++t)
+    for (int64_t h = 0; h < s.heads; ++h)
+      for (int64_t d = 0; d < s.head_dim; ++d, ++i)
+        EXPECT_EQ(out[i], kvq::to_float(v.at(t, h, d))) << t << " " << h << " " << d;
+}

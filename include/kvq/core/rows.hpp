@@ -2,9 +2,11 @@
 /// \file rows.hpp
 /// Row access for kernels: a (token, head) row of head_dim elements as contiguous floats,
 /// converting from f16/bf16 or gathering strided data into a scratch buffer only when needed.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "kvq/core/error.hpp"
 #include "kvq/core/half.hpp"
@@ -62,3 +64,21 @@ template <class T>
 }
 
 }  // namespace kvq::detail
+
+namespace kvq {
+
+/// The whole view as contiguous [tokens, heads, head_dim] floats (any strides, f32/f16/bf16).
+template <class T>
+std::vector<float> to_float_nhd(const KVView<const T>& v) {
+  const int64_t d = v.head_dim();
+  std::vector<float> out(static_cast<std::size_t>(v.numel()));
+  for (int64_t t = 0; t < v.tokens(); ++t)
+    for (int64_t h = 0; h < v.heads(); ++h) {
+      float* dst = out.data() + (t * v.heads() + h) * d;
+      const float* r = detail::load_row(v, t, h, dst);
+      if (r != dst) std::copy(r, r + d, dst);
+    }
+  return out;
+}
+
+}  // namespace kvq

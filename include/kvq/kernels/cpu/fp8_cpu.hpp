@@ -32,6 +32,7 @@
 #include "kvq/config.hpp"
 #include "kvq/core/half.hpp"
 #include "kvq/format/fp8.hpp"
+#include "kvq/kernels/cpu/prefetch.hpp"
 
 namespace kvq {
 namespace detail {
@@ -45,18 +46,6 @@ constexpr std::size_t kFp8Block = 64;
 /// which is a quarter to a half of the DRAM traffic of a decode. Smaller outputs (one head or
 /// one group, consumed right away) keep ordinary cached stores.
 constexpr std::size_t kFp8StreamMinBytes = std::size_t{4} << 20;
-
-/// Large spans also prefetch their input this far ahead: on the VMs kvq is benchmarked on, the
-/// hardware prefetcher alone left a single thread at about half of the read bandwidth.
-constexpr std::size_t kFp8PrefetchBytes = 8192;
-
-/// Prefetches the cache lines of [p, p + bytes) kFp8PrefetchBytes ahead (prefetches never fault,
-/// so running past the end of the input is harmless).
-inline void fp8_prefetch_ahead(const void* p, std::size_t bytes) {
-  const auto* a =
-      reinterpret_cast<const char*>(reinterpret_cast<std::uintptr_t>(p) + kFp8PrefetchBytes);
-  for (std::size_t q = 0; q < bytes; q += 64) _mm_prefetch(a + q, _MM_HINT_T0);
-}
 
 /// Elements to convert one by one before dst + k is 64-byte aligned; n if dst cannot be aligned
 /// (not a multiple of its element size) or the output is too small to stream.
@@ -415,7 +404,7 @@ inline void fp8_encode_simd(const Src* src, uint8_t* dst, std::size_t n, float i
   if (i < n) {
     fp8_encode_scalar<F>(src, dst, i, inv_scale, saturate);
     for (; i + kFp8Block <= n; i += kFp8Block) {
-      fp8_prefetch_ahead(src + i, kFp8Block * sizeof(Src));
+      kernels::prefetch_ahead(src + i, kFp8Block * sizeof(Src));
       enc.template run_block<kScale, true>(src + i, dst + i);
     }
     _mm_sfence();
@@ -471,7 +460,7 @@ inline void fp8_decode_span(const uint8_t* src, Dst* dst, std::size_t n, float s
     if (i < n) {  // large output: scalar head up to 64-byte alignment, then streaming stores
       fp8_decode_scalar<F>(src, dst, i, scale);
       for (; i + kFp8Block <= n; i += kFp8Block) {
-        fp8_prefetch_ahead(src + i, kFp8Block);
+        kernels::prefetch_ahead(src + i, kFp8Block);
         dec.template block<true>(src + i, dst + i);
       }
       _mm_sfence();

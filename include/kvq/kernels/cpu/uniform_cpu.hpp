@@ -12,25 +12,9 @@
 #include "kvq/core/bitpack.hpp"
 #include "kvq/core/half.hpp"
 #include "kvq/format/uniform.hpp"
+#include "kvq/kernels/cpu/prefetch.hpp"
 
 namespace kvq::kernels {
-
-/// Bytes ahead of the current row that the quantize/dequantize drivers prefetch. On the
-/// shared VMs kvq is benchmarked on, the hardware prefetcher alone keeps a single thread well
-/// below the machine's read bandwidth on these group-at-a-time loops.
-constexpr std::size_t kPrefetchAheadBytes = 8192;
-
-/// Prefetches [p + kPrefetchAheadBytes, + bytes) into L1, one cache line at a time (prefetches
-/// never fault, so running past the end of the buffer is harmless).
-inline void prefetch_ahead(const void* p, std::size_t bytes) {
-#if KVQ_HAS_AVX512 || KVQ_HAS_AVX2
-  const char* a = static_cast<const char*>(p) + kPrefetchAheadBytes;
-  for (std::size_t q = 0; q < bytes; q += 64) _mm_prefetch(a + q, _MM_HINT_T0);
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
 
 /// lo = min(lo, x[0..n)), hi = max(hi, x[0..n)). Returns false if any x is NaN or +/-inf.
 inline bool minmax(const float* x, int64_t n, float& lo, float& hi) {
