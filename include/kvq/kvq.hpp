@@ -15,6 +15,7 @@
 #include "kvq/geometry/grouping.hpp"
 #include "kvq/geometry/rotation.hpp"
 #include "kvq/quant/qtensor.hpp"
+#include "kvq/quant/packed_view.hpp"
 #include "kvq/quant/quantize.hpp"
 #include "kvq/accounting/accountant.hpp"
 #include "kvq/policy/policy.hpp"

@@ -60,6 +60,7 @@
 #include "kvq/core/rows.hpp"
 #include "kvq/core/tensor.hpp"
 #include "kvq/policy/spec.hpp"
+#include "kvq/quant/packed_view.hpp"
 #include "kvq/quant/qtensor.hpp"
 #include "kvq/quant/quantize.hpp"
 
@@ -113,6 +114,9 @@ struct CacheSegment {
   /// kPacked: the quantized blocks, each [end - begin, kv_heads, head_dim].
   const QTensor* key = nullptr;
   const QTensor* value = nullptr;
+  /// kPacked: the same blocks as views (what kernels read; pages give the same views).
+  PackedView key_view;
+  PackedView value_view;
   /// kSinks / kResidual: f32 rows, contiguous [end - begin, kv_heads, head_dim].
   KVView<const float> key_rows;
   KVView<const float> value_rows;
@@ -336,6 +340,8 @@ class KVCache {
       p.end = p.begin + L.block;
       p.key = &L.kblocks[j];
       p.value = &L.vblocks[j];
+      p.key_view = view_of(L.kblocks[j]);
+      p.value_view = view_of(L.vblocks[j]);
       fn(static_cast<const CacheSegment&>(p));
     }
     const int64_t r = residual_count(L);

@@ -1,0 +1,104 @@
+#pragma once
+/// \file packed_view.hpp
+/// A quantized tensor [tokens, heads, head_dim] in memory kvq does not own: a page region, an
+/// engine's buffer, or a QTensor's own vectors (QTensor::view()). It is the one interface
+/// between storage (quant/, layout/, cache/) and the kernels that read packed data
+/// (kernels/cpu/, attention/): a kernel that takes a PackedView works on a QTensor, on a page
+/// of the paged layout and on a page an engine allocated, with no copy.
+///
+/// Every array has exactly the byte order QTensor documents (quant/qtensor.hpp,
+/// quant/grouped_quant.hpp, quant/lloyd_max_quant.hpp):
+///   codes      packed_bytes(numel, bits) bytes: the [tokens, heads, head_dim] bitstream (raw
+///              f32/f16/bf16 values for the unquantized formats, one byte per fp8 code)
+///   scales     one metadata value per group box, in box order (token block, head block,
+///              channel block) (int, fp8)
+///   zeros      one per group box (asymmetric int), else null
+///   norms      one per (token, head) vector in token-major order (Lloyd-Max), else null
+///   qjl_signs  one bit per coordinate (Lloyd-Max + QJL), else null
+///   qjl_norms  one per vector (Lloyd-Max + QJL), else null
+/// Metadata values are config.meta (fp16 or f32) little-endian and need no alignment (read
+/// with memcpy); the paged layout aligns every region to 64 bytes anyway.
+#include <cstdint>
+#include <cstring>
+
+#include "kvq/core/half.hpp"
+#include "kvq/core/tensor.hpp"
+#include "kvq/quant/qtensor.hpp"
+
+namespace kvq {
+
+namespace detail {
+inline float load_meta(const uint8_t* base, MetaDType m, std::size_t i) {
+  if (m == MetaDType::kF16) {
+    uint16_t h;
+    std::memcpy(&h, base + 2 * i, 2);
+    return half_bits_to_float_fast(h);
+  }
+  float v;
+  std::memcpy(&v, base + 4 * i, 4);
+  return v;
+}
+}  // namespace detail
+
+/// Read-only view of one packed tensor (see the file comment for the byte order).
+struct PackedView {
+  QuantConfig config;
+  Shape shape;
+  const uint8_t* codes = nullptr;
+  const uint8_t* scales = nullptr;
+  const uint8_t* zeros = nullptr;
+  const uint8_t* norms = nullptr;
+  const uint8_t* qjl_signs = nullptr;
+  const uint8_t* qjl_norms = nullptr;
+
+  float scale(std::size_t g) const { return detail::load_meta(scales, config.meta, g); }
+  float zero(std::size_t g) const {
+    return zeros != nullptr ? detail::load_meta(zeros, config.meta, g) : 0.f;
+  }
+  float norm(std::size_t v) const { return detail::load_meta(norms, config.meta, v); }
+  float qjl_norm(std::size_t v) const { return detail::load_meta(qjl_norms, config.meta, v); }
+};
+
+/// Writable twin of PackedView (what a quantizer fills).
+struct PackedSpan {
+  QuantConfig config;
+  Shape shape;
+  uint8_t* codes = nullptr;
+  uint8_t* scales = nullptr;
+  uint8_t* zeros = nullptr;
+  uint8_t* norms = nullptr;
+  uint8_t* qjl_signs = nullptr;
+  uint8_t* qjl_norms = nullptr;
+
+  PackedView view() const {
+    PackedView v;
+    v.config = config;
+    v.shape = shape;
+    v.codes = codes;
+    v.scales = scales;
+    v.zeros = zeros;
+    v.norms = norms;
+    v.qjl_signs = qjl_signs;
+    v.qjl_norms = qjl_norms;
+    return v;
+  }
+};
+
+/// A view of q's buffers (valid while q is alive and unchanged).
+inline PackedView view_of(const QTensor& q) {
+  auto ptr = [](const std::vector<uint8_t>& v) -> const uint8_t* {
+    return v.empty() ? nullptr : v.data();
+  };
+  PackedView v;
+  v.config = q.config;
+  v.shape = q.shape;
+  v.codes = ptr(q.codes);
+  v.scales = ptr(q.scales.raw());
+  v.zeros = ptr(q.zeros.raw());
+  v.norms = ptr(q.norms.raw());
+  v.qjl_signs = ptr(q.qjl_signs);
+  v.qjl_norms = ptr(q.qjl_norms.raw());
+  return v;
+}
+
+}  // namespace kvq
