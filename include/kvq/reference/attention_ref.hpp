@@ -1,0 +1,171 @@
+#pragma once
+/// \file attention_ref.hpp
+/// Reference (oracle) attention over a KVCache or over any sequence of cache segments, for
+/// every policy, with GQA/MQA. Written to be obviously right, not fast: the fused kernels of
+/// attention/attention.hpp (kernels/cpu/attention_cpu.hpp) are tested against it.
+///
+/// Queries are the newest positions of the layer: query i of n_q sits at position
+/// tokens - n_q + i and, when causal, attends to the tokens [0, position]; otherwise to all
+/// tokens. Query head h reads kv head h / (n_heads / kv_heads). Scores are q.k / sqrt(head_dim),
+/// followed by a max-subtracted softmax and the weighted sum of values.
+///
+/// The segments are walked in order (sinks, each packed block, the residual), with one packed
+/// block dequantized at a time into a scratch buffer, and the online (running-max) form of
+/// softmax: each segment rescales the running sum and output by exp(old max - new max) before
+/// adding its own terms, which is the same softmax in exact arithmetic. Dot products,
+/// exponentials and sums are taken in double, so the result equals fp32 attention over the
+/// dequantized tensors within fp32 rounding, whatever the segment boundaries.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "kvq/cache/kv_cache.hpp"
+#include "kvq/core/error.hpp"
+#include "kvq/core/rope.hpp"
+#include "kvq/core/rows.hpp"
+#include "kvq/core/tensor.hpp"
+#include "kvq/quant/quantize.hpp"
+
+namespace kvq {
+namespace reference {
+
+/// Scratch of the oracle (reused across calls).
+struct RefAttentionWorkspace {
+  std::vector<float> q;         // [n_q, n_heads, head_dim] queries as contiguous floats
+  std::vector<float> kblock;    // [B, kv_heads, head_dim] one dequantized key block
+  std::vector<float> vblock;    // [B, kv_heads, head_dim] one dequantized value block
+  std::vector<double> acc;      // [n_q, n_heads, head_dim] running weighted sum of values
+  std::vector<double> run_max;  // [n_q, n_heads] running score maximum
+  std::vector<double> run_sum;  // [n_q, n_heads] running softmax denominator
+  std::vector<double> scores;   // [segment tokens] one head's scores
+  std::vector<float> out_row;   // [head_dim]
+};
+
+/// Oracle attention over the segments that `for_each(fn)` hands to fn (CacheSegment, in
+/// token order, covering [0, total_tokens)); kv_heads x head_dim per token. Packed segments
+/// are dequantized from their QTensors (`key`, `value`). `layer` only names the layer in
+/// error messages.
+template <class ForEach>
+void attend_ref_segments(ForEach&& for_each, int64_t total_tokens, int64_t kv_heads,
+                         int64_t head_dim, KVView<const float> q, KVView<float> out, bool causal,
+                         RefAttentionWorkspace& ws, const RopeConfig* key_rope = nullptr,
+                         int layer = 0) {
+  const int64_t T = total_tokens;
+  const int64_t nq = q.tokens(), nh = q.heads(), D = head_dim;
+  const int64_t H = kv_heads;
+  KVQ_REQUIRE(q.head_dim() == D, kShapeMismatch, "attend_ref: queries have head_dim ",
+              q.head_dim(), " but the cache has ", D);
+  KVQ_REQUIRE(nh > 0 && nh % H == 0, kShapeMismatch, "attend_ref: n_heads=", nh,
+              " is not a positive multiple of the cache's kv_heads=", H);
+  KVQ_REQUIRE(out.shape() == q.shape(), kShapeMismatch, "attend_ref: output ",
+              out.shape().str(), " does not match the queries ", q.shape().str());
+  if (nq == 0) return;
+  KVQ_REQUIRE(T > 0, kInvalidArgument, "attend_ref: layer ", layer, " holds no tokens");
+  KVQ_REQUIRE(!causal || nq <= T, kInvalidArgument, "attend_ref: ", nq,
+              " causal queries at the newest positions need at least as many tokens, but layer ",
+              layer, " holds ", T);
+  const int64_t group = nh / H;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+
+  ws.q.resize(static_cast<std::size_t>(nq * nh * D));
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t h = 0; h < nh; ++h) {
+      float* dst = ws.q.data() + (i * nh + h) * D;
+      const float* r = detail::load_row(q, i, h, dst);
+      if (r != dst) std::copy(r, r + D, dst);
+      for (int64_t d = 0; d < D; ++d)
+        if (!std::isfinite(dst[d])) detail::throw_non_finite_row(q, i, h, "attend: query");
+    }
+  ws.acc.assign(static_cast<std::size_t>(nq * nh * D), 0.0);
+  ws.run_max.assign(static_cast<std::size_t>(nq * nh), -std::numeric_limits<double>::infinity());
+  ws.run_sum.assign(static_cast<std::size_t>(nq * nh), 0.0);
+
+  for_each([&](const CacheSegment& s) {
+    const int64_t len = s.tokens();
+    const float* kp;  // [len, kv_heads, head_dim]
+    const float* vp;
+    if (s.packed()) {
+      ws.kblock.resize(static_cast<std::size_t>(len * H * D));
+      ws.vblock.resize(ws.kblock.size());
+      dequantize(*s.key, KVView<float>::nhd(ws.kblock.data(), len, H, D));
+      dequantize(*s.value, KVView<float>::nhd(ws.vblock.data(), len, H, D));
+      kp = ws.kblock.data();
+      vp = ws.vblock.data();
+    } else {
+      kp = s.key_rows.data();
+      vp = s.value_rows.data();
+    }
+    if (key_rope != nullptr) {  // pre-RoPE cache: rotate this segment's keys at their positions
+      if (kp != ws.kblock.data()) {
+        ws.kblock.assign(kp, kp + len * H * D);
+        kp = ws.kblock.data();
+      }
+      apply_rope_pairs(ws.kblock.data(), len, H, D, s.begin, *key_rope);
+    }
+    ws.scores.resize(static_cast<std::size_t>(len));
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t last = causal ? std::min(s.end, T - nq + i + 1) : s.end;
+      const int64_t n = last - s.begin;  // tokens of this segment query i sees
+      if (n <= 0) continue;
+      for (int64_t h = 0; h < nh; ++h) {
+        const int64_t kvh = h / group;
+        const float* qr = ws.q.data() + (i * nh + h) * D;
+        double seg_max = -std::numeric_limits<double>::infinity();
+        for (int64_t t = 0; t < n; ++t) {
+          const float* kr = kp + (t * H + kvh) * D;
+          double dot = 0.0;
+          for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(qr[d]) * kr[d];
+          ws.scores[static_cast<std::size_t>(t)] = dot * scale;
+          seg_max = std::max(seg_max, dot * scale);
+        }
+        const std::size_t qi = static_cast<std::size_t>(i * nh + h);
+        const double new_max = std::max(ws.run_max[qi], seg_max);
+        const double rescale = std::exp(ws.run_max[qi] - new_max);  // exp(-inf) = 0 at first
+        double* acc = ws.acc.data() + qi * static_cast<std::size_t>(D);
+        double sum = ws.run_sum[qi] * rescale;
+        for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
+        for (int64_t t = 0; t < n; ++t) {
+          const double w = std::exp(ws.scores[static_cast<std::size_t>(t)] - new_max);
+          sum += w;
+          const float* vr = vp + (t * H + kvh) * D;
+          for (int64_t d = 0; d < D; ++d) acc[d] += w * vr[d];
+        }
+        ws.run_sum[qi] = sum;
+        ws.run_max[qi] = new_max;
+      }
+    }
+  });
+
+  ws.out_row.resize(static_cast<std::size_t>(D));
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t h = 0; h < nh; ++h) {
+      const std::size_t qi = static_cast<std::size_t>(i * nh + h);
+      const double* acc = ws.acc.data() + qi * static_cast<std::size_t>(D);
+      for (int64_t d = 0; d < D; ++d)
+        ws.out_row[static_cast<std::size_t>(d)] = static_cast<float>(acc[d] / ws.run_sum[qi]);
+      detail::store_row(out, i, h, ws.out_row.data());
+    }
+}
+
+/// Oracle attention of the queries `q` ([n_q, n_heads, head_dim], the newest n_q positions of
+/// `layer`) over `cache`, written to `out` (same shape, any strides); the semantics of
+/// kvq::attend (attention/attention.hpp), in double precision.
+inline void attend_ref(const KVCache& cache, int layer, KVView<const float> q, KVView<float> out,
+                       bool causal, RefAttentionWorkspace& ws,
+                       const RopeConfig* key_rope = nullptr) {
+  const int64_t T = cache.tokens(layer);
+  attend_ref_segments([&](auto&& fn) { cache.for_each_segment(layer, fn); }, T,
+                      cache.kv_heads(), cache.head_dim(), q, out, causal, ws, key_rope, layer);
+}
+
+/// attend_ref() with a workspace of its own.
+inline void attend_ref(const KVCache& cache, int layer, KVView<const float> q, KVView<float> out,
+                       bool causal = true, const RopeConfig* key_rope = nullptr) {
+  RefAttentionWorkspace ws;
+  attend_ref(cache, layer, q, out, causal, ws, key_rope);
+}
+
+}  // namespace reference
+}  // namespace kvq
