@@ -83,6 +83,10 @@ void expect_both_fail(const std::map<std::string, Array>& m,
   kvq::io::write_safetensors(st, m);
   EXPECT_TRUE(kvq_test::throws_error([&] { load_kv_dump(st); }, ErrorKind::kIo, parts))
       << "safetensors form";
+  const std::vector<uint8_t> img = kvq::io::encode_safetensors(m);
+  EXPECT_TRUE(kvq_test::throws_error(
+      [&] { kvq::io::load_kv_dump_bytes(img.data(), img.size(), "mem"); }, ErrorKind::kIo, parts))
+      << "safetensors image in memory";
   const auto nd = dir / "npy";
   std::filesystem::create_directories(nd);
   for (const auto& [name, a] : m) kvq::io::write_npy(nd / (name + ".npy"), a);
@@ -106,6 +110,18 @@ TEST(KVDump, SafetensorsRoundTrip) {
   EXPECT_NE(h.find("layers.1.k_prerope"), nullptr);
   EXPECT_NE(h.find("layers.2.q"), nullptr);
   EXPECT_EQ(h.find("layers.1.q"), nullptr);
+}
+
+TEST(KVDump, InMemorySafetensorsImageLoadsLikeTheFile) {
+  const KVDump d = make_dump();
+  const std::vector<uint8_t> img = kvq::io::encode_safetensors(named(d));
+  expect_same(d, kvq::io::load_kv_dump_bytes(img.data(), img.size()));
+  // A truncated image is refused with the source name, as a truncated file is.
+  EXPECT_TRUE(kvq_test::throws_error(
+      [&] { kvq::io::load_kv_dump_bytes(img.data(), img.size() - 1, "dump-in-memory"); },
+      ErrorKind::kIo, {"dump-in-memory"}));
+  EXPECT_TRUE(kvq_test::throws_error([&] { kvq::io::load_kv_dump_bytes(nullptr, 5); },
+                                     ErrorKind::kInvalidArgument, {"null buffer"}));
 }
 
 TEST(KVDump, NpyDirectoryRoundTrip) {

@@ -17,6 +17,7 @@
 /// extras (token ids, logits) in any dtype; a name that starts with "layers." but does not fit
 /// the pattern is an error, because it is almost certainly a typo of a required tensor.
 /// See docs/dump-format.md for a script that produces dumps from Hugging Face models.
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -229,6 +230,21 @@ inline std::map<std::string, std::filesystem::path> npy_dump_files(const std::fi
   return out;
 }
 
+/// The dump held by a .safetensors file or buffer (`Reader`: FileReader or MemReader). Only
+/// tensors of the convention are read.
+template <class Reader>
+KVDump kv_dump_from_safetensors(Reader& r, const std::string& src) {
+  std::map<int64_t, PartialLayer> parts;
+  int64_t layer = 0;
+  KVKind kind{};
+  const SafetensorsHeader h = st_read_header(r, src);
+  for (const SafetensorsEntry& e : h.tensors) {
+    if (!parse_kv_name(e.name, &layer, &kind, src, ErrorKind::kIo)) continue;
+    put_part(parts, layer, kind, st_read_tensor(r, h, e, src), e.name, src);
+  }
+  return assemble_kv_dump(std::move(parts), src);
+}
+
 }  // namespace detail
 
 /// Loads a dump from a .safetensors file or a directory of .npy files (decided by what `path`
@@ -249,13 +265,18 @@ inline KVDump load_kv_dump(const std::filesystem::path& path, const NpyReadOptio
     }
   } else {
     detail::FileReader r(path);
-    const SafetensorsHeader h = detail::st_read_header(r, src);
-    for (const SafetensorsEntry& e : h.tensors) {
-      if (!detail::parse_kv_name(e.name, &layer, &kind, src, ErrorKind::kIo)) continue;
-      detail::put_part(parts, layer, kind, detail::st_read_tensor(r, h, e, src), e.name, src);
-    }
+    return detail::kv_dump_from_safetensors(r, src);
   }
   return detail::assemble_kv_dump(std::move(parts), src);
+}
+
+/// Same as load_kv_dump, from the image of a .safetensors dump held in memory (a dump received
+/// over a socket, or a fuzzer's input). `source` names it in error messages.
+inline KVDump load_kv_dump_bytes(const uint8_t* data, size_t size,
+                                 const std::string& source = "<memory>") {
+  KVQ_REQUIRE(data != nullptr || size == 0, kInvalidArgument, source, ": null buffer");
+  detail::MemReader r(data, size, source);
+  return detail::kv_dump_from_safetensors(r, source);
 }
 
 /// Saves `dump` (validated first; kShapeMismatch/kInvalidArgument if it breaks the
