@@ -1,15 +1,19 @@
-// kvq_perplexity: perplexity and next-token KL of a real llama2.c-format model whose KV cache is
-// held in kvq's quantized cache under each policy.
+// kvq_perplexity: perplexity and next-token KL of a real model (llama2.c checkpoint or GGUF file)
+// whose KV cache is held in kvq's quantized cache under each policy.
 //
-//   kvq_perplexity --model M --tokenizer T --text F --policy SPEC[;SPEC...] [--json]
+//   kvq_perplexity --model M [--tokenizer T] --text F --policy SPEC[;SPEC...] [--json]
 //                  [--max-seqs N] [--seq-len N] [--simulate] [--prerope]
+//
+// M is a llama2.c checkpoint (then T is its tokenizer file), a GGUF file (detected by its magic;
+// it carries its tokenizer), or `smollm2`: the GGUF fetched by `./kvq.sh model smollm2`.
 //
 // The cache is kvq's streaming KVCache (keys and values packed in shared blocks), or with
 // --simulate the SimulatedBackend (cache/simulated_backend.hpp: every key and value scale group
 // quantized as soon as it is complete, the rule of the reference axis table).
 //
-// Each non-empty line of F is one sequence (BOS prepended, truncated to the model's seq_len);
-// every next-token prediction is counted. The unquantized (f32) run is computed once and its
+// Each non-empty line of F is one sequence; every next-token prediction is counted. llama2.c:
+// BOS prepended, truncated to the model's seq_len. GGUF (shared/docs/reference.md's protocol):
+// the line without its '\r', no BOS unless the file's add_bos_token says so, cut at 512 tokens. The unquantized (f32) run is computed once and its
 // logits are the reference for the KL of every policy. Defaults: the stories260K model, its
 // tokenizer and tinystories-dev.txt from ../shared/data/stories260K, policy f32.
 #include <algorithm>
@@ -21,6 +25,7 @@
 
 #include "kvq/cache/cache_backend.hpp"
 #include "kvq/cache/simulated_backend.hpp"
+#include "eval_model.hpp"
 #include "kvq/eval/llama2c.hpp"
 #include "kvq/policy/spec.hpp"
 #include "report.hpp"
@@ -36,13 +41,18 @@ namespace {
 /// over all sequences.
 class MeasuringBackend final : public kvq::eval::KVBackend {
  public:
-  MeasuringBackend(kvq::Policy p, const kvq::eval::KVGeometry& g, bool simulate, bool prerope) {
+  MeasuringBackend(kvq::Policy p, const kvq::eval::KVGeometry& g, bool simulate, bool prerope,
+                   const kvq::RopeConfig& rope = {}) {
     if (simulate) {
+      KVQ_REQUIRE(!prerope || rope.style == kvq::RopeStyle::kAdjacent, kUnsupported,
+                  "--simulate --prerope supports adjacent-pair RoPE only (this model rotates "
+                  "(i, i + head_dim/2) pairs); use the streaming cache");
       kvq::SimulatedOptions o;
       o.prerope_keys = prerope;
+      o.rope_theta = rope.theta;
       sim_ = std::make_unique<kvq::SimulatedBackend>(std::move(p), g, o);
     } else {
-      cache_ = std::make_unique<kvq::CacheBackend>(std::move(p), g, prerope);
+      cache_ = std::make_unique<kvq::CacheBackend>(std::move(p), g, prerope, rope);
     }
   }
   void reset() override {
@@ -87,6 +97,11 @@ void usage() {
   std::fprintf(stderr,
                "usage: kvq_perplexity [--model M] [--tokenizer T] [--text F] "
                "[--policy SPEC[;SPEC...]] [--json] [--max-seqs N] [--seq-len N] [--simulate]\n"
+               "  [--prerope] [--threads N]\n"
+               "--model: a llama2.c checkpoint (with --tokenizer), a GGUF file (its own tokenizer;\n"
+               "  lines without '\\r', no BOS unless the file says so, cut at 512 tokens), or\n"
+               "  'smollm2' for the GGUF fetched by ./kvq.sh model smollm2\n"
+               "--threads: threads of a GGUF model's matrix products (default: all cores)\n"
                "--simulate: quantize each key/value scale group as soon as it is complete (keys\n"
                "  and values independently; simulated quantization, the reference table's rule)\n"
                "  instead of the streaming cache's shared blocks\n"
@@ -115,6 +130,7 @@ int main(int argc, char** argv) {
   std::string model_path = base + "stories260K.bin", tok_path = base + "tok512.bin",
               text_path = base + "tinystories-dev.txt", policy_arg = "f32";
   bool json = false, simulate = false, prerope = false;
+  int threads = 0;
   kvq::eval::EvalOptions opt;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -134,6 +150,7 @@ int main(int argc, char** argv) {
     else if (a == "--prerope") prerope = true;
     else if (a == "--max-seqs") opt.max_sequences = parse_count(a, next());
     else if (a == "--seq-len") opt.max_seq_len = parse_count(a, next());
+    else if (a == "--threads") threads = parse_count(a, next());
     else if (a == "-h" || a == "--help") {
       usage();
       return 0;
@@ -145,9 +162,9 @@ int main(int argc, char** argv) {
   }
   try {
     const auto policies = kvq::parse_policies(policy_arg);
-    kvq::eval::Llama2cModel model(model_path);
-    kvq::eval::Tokenizer tok(tok_path, model.config().vocab_size);
-    const auto lines = kvq::eval::read_text_lines(text_path);
+    kvq_tools::EvalModel model(model_path, tok_path);
+    if (threads > 0) model.set_threads(threads);
+    const auto lines = model.read_lines(text_path);
     const auto geo = model.kv_geometry();
 
     // Reference: the unquantized cache, recorded once.
@@ -155,15 +172,15 @@ int main(int argc, char** argv) {
     kvq::eval::Fp32Backend ref(geo);
     kvq::eval::EvalOptions ropt = opt;
     ropt.record_trace = &trace;
-    const auto r0 = kvq::eval::evaluate_text(model, tok, ref, lines, ropt);
+    const auto r0 = model.evaluate(ref, lines, ropt);
 
     std::vector<kvq_tools::Row> rows;
     for (const kvq::Policy& p : policies) {
       std::fprintf(stderr, "kvq_perplexity: %s ...\n", p.spec().c_str());
-      MeasuringBackend be(p, geo, simulate, prerope);
+      MeasuringBackend be(p, geo, simulate, prerope, model.rope());
       kvq::eval::EvalOptions popt = opt;
       popt.reference_trace = &trace;
-      const auto r = kvq::eval::evaluate_text(model, tok, be, lines, popt);
+      const auto r = model.evaluate(be, lines, popt);
       be.measure();
       kvq_tools::Row row;
       row.text = {{"policy", p.spec()}};
@@ -178,7 +195,9 @@ int main(int argc, char** argv) {
     }
     const std::vector<std::pair<std::string, std::string>> meta = {
         {"tool", "kvq_perplexity"},
-        {"model", model_path},
+        {"model", model.path()},
+        {"model_description", model.describe()},
+        {"reference_seconds", kvq_tools::raw_json(kvq_tools::json_number(r0.test.seconds))},
         {"text", text_path},
         {"cache", std::string(simulate ? "simulated (each group quantized when complete)"
                                        : "streaming KVCache") +
@@ -188,9 +207,9 @@ int main(int argc, char** argv) {
     if (json) {
       std::fputs(kvq_tools::to_json(rows, meta).c_str(), stdout);
     } else {
-      std::printf("model %s, text %s: %lld tokens, f32 reference perplexity %.4f\n",
-                  model_path.c_str(), text_path.c_str(),
-                  static_cast<long long>(r0.test.tokens), r0.test.perplexity());
+      std::printf("%s, text %s: %lld tokens, f32 reference perplexity %.4f (forward %.1f s)\n",
+                  model.describe().c_str(), text_path.c_str(),
+                  static_cast<long long>(r0.test.tokens), r0.test.perplexity(), r0.test.seconds);
       std::printf("cache: %s%s\n", simulate ? "simulated quantization (each key/value group "
                                               "quantized as soon as it is complete)"
                                             : "kvq streaming KVCache",
