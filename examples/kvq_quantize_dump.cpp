@@ -186,8 +186,8 @@ int main(int argc, char** argv) {
                {"zeros_bytes", static_cast<double>(kb.packed.zeros + vb.packed.zeros)},
                {"norms_bytes", static_cast<double>(kb.packed.norms + vb.packed.norms)},
                {"other_packed_bytes",
-                static_cast<double>(kb.packed.residual + vb.packed.residual + kb.packed.seeds +
-                                    vb.packed.seeds + kb.packed.outliers + vb.packed.outliers)},
+                static_cast<double>(kb.packed.residual + vb.packed.residual + kb.packed.padding +
+                                    vb.packed.padding + kb.packed.outliers + vb.packed.outliers)},
                {"full_precision_bytes",
                 static_cast<double>(kb.sinks + vb.sinks + kb.residual + vb.residual)},
                {"key_rel_mse", kerr / L},

@@ -16,38 +16,20 @@
 
 namespace kvq {
 
-/// Exact byte breakdown of storing a tensor of `shape` under `cfg`.
+/// Exact byte breakdown of storing a tensor of `shape` under `cfg`: the sizes of the arrays
+/// quantize() fills (packed_sizes), by kind. Throws for bit widths the format does not
+/// support (int5, negative, ...), groups that do not divide the shape, and sizes beyond
+/// size_t. tests/accounting checks it against the buffers quantize() really fills and against
+/// an independent formula. Bytes that live elsewhere are not counted: the Lloyd-Max rotation
+/// seed is part of the config (one per layer config), and codebooks are derived from (d, b).
 inline ByteBreakdown account(const QuantConfig& cfg, const Shape& shape) {
+  const PackedSizes p = packed_sizes(cfg, shape);
   ByteBreakdown b;
-  const auto n = static_cast<std::size_t>(shape.numel());
-  const auto vectors = static_cast<std::size_t>(shape.tokens * shape.heads);
-  const auto msz = static_cast<std::size_t>(meta_size(cfg.meta));
-  switch (cfg.format) {
-    case Format::kF32: b.codes = 4 * n; break;
-    case Format::kF16:
-    case Format::kBF16: b.codes = 2 * n; break;
-    case Format::kInt: {
-      const GroupBox box = group_box(cfg.axis, cfg.group, shape);
-      const auto groups = n > 0 ? static_cast<std::size_t>(box.count()) : 0;
-      b.codes = packed_bytes(n, cfg.bits);
-      b.scales = groups * msz;
-      b.zeros = cfg.symmetric ? 0 : groups * msz;
-      break;
-    }
-    case Format::kE4M3:
-    case Format::kE5M2: {
-      const GroupBox box = group_box(cfg.axis, cfg.group, shape);
-      b.codes = n;
-      b.scales = (n > 0 ? static_cast<std::size_t>(box.count()) : 0) * msz;
-      break;
-    }
-    case Format::kLloydMax:
-      b.codes = packed_bytes(n, cfg.bits);
-      b.norms = vectors * msz;
-      b.seeds = n > 0 ? sizeof(uint64_t) : 0;
-      if (cfg.qjl) b.residual = packed_bytes(n, 1) + vectors * msz;
-      break;
-  }
+  b.codes = p.codes;
+  b.scales = p.scales;
+  b.zeros = p.zeros;
+  b.norms = p.norms;
+  b.residual = p.qjl_signs + p.qjl_norms;
   return b;
 }
 

@@ -199,7 +199,7 @@ struct MemoryReport {
     std::string s;
     char line[256];
     std::snprintf(line, sizeof line, "%5s %7s %6s %10s %9s %9s %8s %8s %6s %6s %9s %10s %11s %6s\n",
-                  "layer", "tokens", "blocks", "codes", "scales", "zeros", "norms", "qjl", "seeds",
+                  "layer", "tokens", "blocks", "codes", "scales", "zeros", "norms", "qjl", "pad",
                   "other", "sinks", "residual", "total", "bits");
     s += line;
     auto row = [&](const char* name, int64_t tokens, int64_t blocks, const StreamBytes& b) {
@@ -208,7 +208,7 @@ struct MemoryReport {
                     "%5s %7lld %6lld %10zu %9zu %9zu %8zu %8zu %6zu %6zu %9zu %10zu %11zu %6.2f\n",
                     name, static_cast<long long>(tokens), static_cast<long long>(blocks),
                     b.packed.codes, b.packed.scales, b.packed.zeros, b.packed.norms,
-                    b.packed.residual, b.packed.seeds, b.packed.outliers + b.packed.codebooks,
+                    b.packed.residual, b.packed.padding, b.packed.outliers + b.packed.codebooks,
                     b.sinks, b.residual, b.total(),
                     n > 0 ? 8.0 * static_cast<double>(b.total()) / static_cast<double>(n) : 0.0);
       s += line;

@@ -21,7 +21,7 @@
 
 #include "kvq/config.hpp"
 #include "kvq/core/error.hpp"
-#include "kvq/quant/qtensor.hpp"
+#include "kvq/format/meta.hpp"
 
 namespace kvq {
 
@@ -37,14 +37,15 @@ struct UniformLevels {
   float off;
   float qmax;
 };
-inline UniformLevels uniform_levels(int bits, bool symmetric) {
-  const float qmax = static_cast<float>((1 << bits) - 1);
-  return {symmetric ? static_cast<float>(1 << (bits - 1)) : 0.f, qmax};
-}
-
 inline void check_uniform_bits(int bits) {
   KVQ_REQUIRE(bits == 2 || bits == 3 || bits == 4 || bits == 8, kInvalidArgument,
               "integer formats support 2, 3, 4 or 8 bits, got ", bits);
+}
+/// Validates `bits` before shifting by it (a shift by >= 32 or a negative width is UB).
+inline UniformLevels uniform_levels(int bits, bool symmetric) {
+  check_uniform_bits(bits);
+  const float qmax = static_cast<float>((1 << bits) - 1);
+  return {symmetric ? static_cast<float>(1 << (bits - 1)) : 0.f, qmax};
 }
 
 /// Parameters of a group whose finite values span [lo, hi]. `group` is used in messages.
@@ -52,6 +53,7 @@ inline void check_uniform_bits(int bits) {
 /// fp16 metadata): choose fp32 metadata for such tensors.
 inline UniformParams uniform_params(float lo, float hi, int bits, bool symmetric, MetaDType meta,
                                     int64_t group) {
+  check_uniform_bits(bits);
   UniformParams p;
   const float levels = static_cast<float>((1 << bits) - 1);
   if (symmetric) {

@@ -21,27 +21,12 @@
 #include "kvq/format/uniform.hpp"
 #include "kvq/geometry/grouping.hpp"
 #include "kvq/kernels/cpu/uniform_cpu.hpp"
+#include "kvq/quant/packed_view.hpp"
 #include "kvq/quant/qtensor.hpp"
 
 namespace kvq {
 
 namespace detail {
-
-/// Prepares `q` for (cfg, s), reusing its buffers' capacity (engines quantize into the same
-/// block repeatedly; fresh allocations would page-fault on every call).
-inline void prepare_qtensor(QTensor& q, const QuantConfig& cfg, const Shape& s, std::size_t groups,
-                            std::size_t code_bytes, bool zeros) {
-  q.config = cfg;
-  q.shape = s;
-  q.codes.resize(code_bytes);
-  if (code_bytes > 0) q.codes.back() = 0;  // unused trailing bits are zero
-  q.scales.reset(cfg.meta, groups);
-  q.zeros.reset(cfg.meta, zeros ? groups : 0);
-  q.norms.reset(cfg.meta, 0);
-  q.qjl_signs.clear();
-  q.qjl_norms.reset(cfg.meta, 0);
-  q.has_seed = false;
-}
 
 /// Uniform integer codec (see format/uniform.hpp for the formulas).
 struct IntCodec {
@@ -50,9 +35,7 @@ struct IntCodec {
   MetaDType meta;
   UniformLevels lv;
   explicit IntCodec(const QuantConfig& c)
-      : bits(c.bits), symmetric(c.symmetric), meta(c.meta), lv(uniform_levels(c.bits, c.symmetric)) {
-    check_uniform_bits(c.bits);
-  }
+      : bits(c.bits), symmetric(c.symmetric), meta(c.meta), lv(uniform_levels(c.bits, c.symmetric)) {}
   bool has_zero() const { return !symmetric; }
   UniformParams params(float lo, float hi, int64_t g) const {
     return uniform_params(lo, hi, bits, symmetric, meta, g);
@@ -115,25 +98,31 @@ struct Fp8Codec {
   }
 };
 
-/// The driver: quantizes x into q with `codec`, `bits` wide codes.
+/// The driver: quantizes x into `q` (caller memory sized by packed_sizes(cfg, x.shape())) with
+/// `codec`, `bits` wide codes. On a throw the span's contents are unspecified.
 template <class Codec, class T>
 void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
-                      const KVView<const T>& x, QTensor& q) {
+                      const KVView<const T>& x, const PackedSpan& q, QuantWorkspace& ws) {
   const Shape s = x.shape();
   const GroupBox box = group_box(cfg.axis, cfg.group, s);
   const auto n = static_cast<std::size_t>(s.numel());
-  prepare_qtensor(q, cfg, s, n > 0 ? static_cast<std::size_t>(box.count()) : 0,
-                  packed_bytes(n, bits), codec.has_zero());
   if (n == 0) return;
+  const std::size_t code_bytes = packed_bytes(n, bits);
+  q.codes[code_bytes - 1] = 0;  // unused trailing bits are zero
+  const MetaDType meta = cfg.meta;
+  const auto msz = static_cast<std::size_t>(meta_size(meta));
 
   const int64_t H = s.heads, D = s.head_dim;
-  std::vector<float> buf(static_cast<std::size_t>(D));
-  std::vector<uint8_t> code_buf(static_cast<std::size_t>(D));
+  float* buf = QuantWorkspace::at_least(ws.buf, static_cast<std::size_t>(D));
+  uint8_t* code_buf = QuantWorkspace::at_least(ws.codes, static_cast<std::size_t>(D));
   // Per-block parameters for the channel/head/tensor axes: [heads, head_dim] or [heads] or [1].
   const bool per_channel = cfg.axis == Axis::kChannel;
   const std::size_t np = per_channel ? static_cast<std::size_t>(H * D)
                                      : (cfg.axis == Axis::kHead ? static_cast<std::size_t>(H) : 1);
-  std::vector<float> lo(np), hi(np), zv(np), iv(np);
+  float* lo = QuantWorkspace::at_least(ws.lo, np);
+  float* hi = QuantWorkspace::at_least(ws.hi, np);
+  float* zv = QuantWorkspace::at_least(ws.zv, np);
+  float* iv = QuantWorkspace::at_least(ws.iv, np);
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const std::size_t row_bytes = static_cast<std::size_t>(D) * sizeof(T);
 #if KVQ_HAS_AVX512
@@ -143,18 +132,18 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
 #endif
 
   auto store_params = [&](int64_t g, float l, float h) {
-    const UniformParams p = codec.params(l, h, g);
-    q.scales.set(static_cast<std::size_t>(g), p.scale);
-    if (codec.has_zero()) q.zeros.set(static_cast<std::size_t>(g), p.zero);
+    UniformParams p = codec.params(l, h, g);
+    store_meta(q.scales, meta, static_cast<std::size_t>(g), p.scale);
+    if (codec.has_zero()) store_meta(q.zeros, meta, static_cast<std::size_t>(g), p.zero);
     return p;
   };
   auto code_dst = [&](int64_t t, int64_t h) {
-    return bits == 8 ? q.codes.data() + (t * H + h) * D : code_buf.data();
+    return bits == 8 ? q.codes + (t * H + h) * D : code_buf;
   };
   auto emit = [&](int64_t t, int64_t h, const uint8_t* codes) {
     if (bits == 8) return;  // encoded in place
     const auto off = static_cast<std::size_t>((t * H + h) * D);
-    kernels::pack_codes(codes, static_cast<std::size_t>(D), bits, q.codes.data(), off * bits);
+    kernels::pack_codes(codes, static_cast<std::size_t>(D), bits, q.codes, off * bits);
   };
 
   for (int64_t tb = 0; tb < box.nt; ++tb) {
@@ -163,17 +152,17 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
       for (int64_t t = t0; t < t1; ++t) {
         for (int64_t h = 0; h < H; ++h) {
           if (x.dim_contiguous()) kernels::prefetch_ahead(x.row(t, h), row_bytes);
-          const float* row = load_row(x, t, h, buf.data());
+          const float* row = load_row(x, t, h, buf);
           uint8_t* dst = code_dst(t, h);
 #if KVQ_HAS_AVX512
           if constexpr (std::is_same_v<Codec, IntCodec>) {
             if (row_kernel) {
               const auto g = static_cast<std::size_t>(box.index(t, h, 0));
               if (kernels::quantize_row_token(
-                      row, D, box.gc, bits, codec.symmetric, codec.meta == MetaDType::kF16,
-                      codec.lv.off, codec.lv.qmax, q.scales.data_at(g),
-                      codec.has_zero() ? q.zeros.data_at(g) : nullptr, dst,
-                      bits == 4 ? q.codes.data() + (t * H + h) * D / 2 : nullptr)) {
+                      row, D, box.gc, bits, codec.symmetric, meta == MetaDType::kF16,
+                      codec.lv.off, codec.lv.qmax, q.scales + g * msz,
+                      codec.has_zero() ? q.zeros + g * msz : nullptr, dst,
+                      bits == 4 ? q.codes + (t * H + h) * D / 2 : nullptr)) {
                 if (bits != 4) emit(t, h, dst);
                 continue;
               }
@@ -191,15 +180,15 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
       }
       continue;
     }
-    std::fill(lo.begin(), lo.end(), kInf);
-    std::fill(hi.begin(), hi.end(), -kInf);
+    std::fill(lo, lo + np, kInf);
+    std::fill(hi, hi + np, -kInf);
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t h = 0; h < H; ++h) {
         if (x.dim_contiguous()) kernels::prefetch_ahead(x.row(t, h), row_bytes);
-        const float* row = load_row(x, t, h, buf.data());
+        const float* row = load_row(x, t, h, buf);
         bool ok;
         if (per_channel) {
-          ok = kernels::minmax_elementwise(row, lo.data() + h * D, hi.data() + h * D, D);
+          ok = kernels::minmax_elementwise(row, lo + h * D, hi + h * D, D);
         } else {
           const std::size_t k = cfg.axis == Axis::kHead ? static_cast<std::size_t>(h) : 0;
           ok = kernels::minmax(row, D, lo[k], hi[k]);
@@ -213,9 +202,9 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
     if constexpr (std::is_same_v<Codec, IntCodec>) {
       // The block's groups are consecutive metadata slots g0 .. g0 + np - 1.
       params_done = kernels::uniform_params_array(
-          lo.data(), hi.data(), static_cast<int64_t>(np), bits, codec.symmetric,
-          codec.meta == MetaDType::kF16, codec.lv.qmax, q.scales.data_at(g0),
-          codec.has_zero() ? q.zeros.data_at(g0) : nullptr, zv.data(), iv.data());
+          lo, hi, static_cast<int64_t>(np), bits, codec.symmetric, meta == MetaDType::kF16,
+          codec.lv.qmax, q.scales + static_cast<std::size_t>(g0) * msz,
+          codec.has_zero() ? q.zeros + static_cast<std::size_t>(g0) * msz : nullptr, zv, iv);
     }
 #endif
     for (std::size_t k = 0; k < np && !params_done; ++k) {
@@ -225,10 +214,10 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
     }
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t h = 0; h < H; ++h) {
-        const float* row = load_row(x, t, h, buf.data());
+        const float* row = load_row(x, t, h, buf);
         uint8_t* dst = code_dst(t, h);
         if (per_channel) {
-          codec.encode_vec(row, zv.data() + h * D, iv.data() + h * D, D, dst);
+          codec.encode_vec(row, zv + h * D, iv + h * D, D, dst);
         } else {
           const std::size_t k = cfg.axis == Axis::kHead ? static_cast<std::size_t>(h) : 0;
           codec.encode(row, D, zv[k], iv[k], dst);
@@ -239,70 +228,73 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
   }
 }
 
-/// The inverse driver: reconstructs q into out with `codec`.
+/// The inverse driver: reconstructs the tokens [t0, t0 + out.tokens()) of `q` into `out`
+/// with `codec` (any token range: per-channel parameters are loaded per token block).
 template <class Codec, class T>
-void grouped_dequantize(const QTensor& q, const Codec& codec, int bits, const KVView<T>& out) {
+void grouped_dequantize(const PackedView& q, const Codec& codec, int bits, int64_t t0,
+                        const KVView<T>& out, QuantWorkspace& ws) {
   const QuantConfig& cfg = q.config;
   const Shape s = q.shape;
-  if (s.numel() == 0) return;
+  if (out.numel() == 0) return;
   const GroupBox box = group_box(cfg.axis, cfg.group, s);
   const int64_t H = s.heads, D = s.head_dim;
-  std::vector<float> buf(static_cast<std::size_t>(D));
-  std::vector<uint8_t> code_buf(static_cast<std::size_t>(D));
+  float* buf = QuantWorkspace::at_least(ws.buf, static_cast<std::size_t>(D));
+  uint8_t* code_buf = QuantWorkspace::at_least(ws.codes, static_cast<std::size_t>(D));
   const bool per_channel = cfg.axis == Axis::kChannel;
-  std::vector<float> sv, zv;
+  float* sv = nullptr;
+  float* zv = nullptr;
   if (per_channel) {
-    sv.resize(static_cast<std::size_t>(H * D));
-    zv.resize(static_cast<std::size_t>(H * D));
+    sv = QuantWorkspace::at_least(ws.lo, static_cast<std::size_t>(H * D));
+    zv = QuantWorkspace::at_least(ws.zv, static_cast<std::size_t>(H * D));
   }
   const bool direct = std::is_same_v<T, float> && out.dim_contiguous();
-  auto zero_of = [&](std::size_t g) { return codec.has_zero() ? q.zeros.get(g) : 0.f; };
+  auto zero_of = [&](std::size_t g) { return codec.has_zero() ? q.zero(g) : 0.f; };
 
-  for (int64_t tb = 0; tb < box.nt; ++tb) {
-    if (per_channel) {
-      const int64_t g0 = tb * box.nh * box.nc;
+  int64_t loaded = -1;  // token block whose per-channel parameters are in sv / zv
+  for (int64_t t = t0; t < t0 + out.tokens(); ++t) {
+    if (per_channel && t / box.gt != loaded) {
+      loaded = t / box.gt;
+      const int64_t g0 = loaded * box.nh * box.nc;
       for (int64_t k = 0; k < H * D; ++k) {
-        sv[static_cast<std::size_t>(k)] = q.scales.get(static_cast<std::size_t>(g0 + k));
-        zv[static_cast<std::size_t>(k)] = zero_of(static_cast<std::size_t>(g0 + k));
+        sv[k] = q.scale(static_cast<std::size_t>(g0 + k));
+        zv[k] = zero_of(static_cast<std::size_t>(g0 + k));
       }
     }
-    for (int64_t t = tb * box.gt; t < (tb + 1) * box.gt; ++t) {
-      for (int64_t h = 0; h < H; ++h) {
-        const auto off = static_cast<std::size_t>((t * H + h) * D);
-        const uint8_t* codes = q.codes.data() + off;
-        if (bits != 8) {
-          kernels::unpack_codes(q.codes.data(), static_cast<std::size_t>(D), bits,
-                                code_buf.data(), off * bits);
-          codes = code_buf.data();
-        }
-        if constexpr (std::is_same_v<T, f16> && std::is_same_v<Codec, IntCodec>) {
-          if (out.dim_contiguous()) {  // decode straight into the fp16 row
-            f16* o = out.row(t, h);
-            if (per_channel) {
-              codec.decode_vec_f16(codes, sv.data() + h * D, zv.data() + h * D, D, o);
-            } else {
-              for (int64_t c0 = 0; c0 < D; c0 += box.gc) {
-                const auto g = static_cast<std::size_t>(box.index(t, h, c0));
-                codec.decode_f16(codes + c0, box.gc, q.scales.get(g), zero_of(g), o + c0);
-              }
-            }
-            continue;
-          }
-        }
-        float* dst = buf.data();
-        if constexpr (std::is_same_v<T, float>) {
-          if (direct) dst = out.row(t, h);
-        }
-        if (per_channel) {
-          codec.decode_vec(codes, sv.data() + h * D, zv.data() + h * D, D, dst);
-        } else {
-          for (int64_t c0 = 0; c0 < D; c0 += box.gc) {
-            const auto g = static_cast<std::size_t>(box.index(t, h, c0));
-            codec.decode(codes + c0, box.gc, q.scales.get(g), zero_of(g), dst + c0);
-          }
-        }
-        if (!direct) store_row(out, t, h, dst);
+    const int64_t ot = t - t0;
+    for (int64_t h = 0; h < H; ++h) {
+      const auto off = static_cast<std::size_t>((t * H + h) * D);
+      const uint8_t* codes = q.codes + off;
+      if (bits != 8) {
+        kernels::unpack_codes(q.codes, static_cast<std::size_t>(D), bits, code_buf, off * bits);
+        codes = code_buf;
       }
+      if constexpr (std::is_same_v<T, f16> && std::is_same_v<Codec, IntCodec>) {
+        if (out.dim_contiguous()) {  // decode straight into the fp16 row
+          f16* o = out.row(ot, h);
+          if (per_channel) {
+            codec.decode_vec_f16(codes, sv + h * D, zv + h * D, D, o);
+          } else {
+            for (int64_t c0 = 0; c0 < D; c0 += box.gc) {
+              const auto g = static_cast<std::size_t>(box.index(t, h, c0));
+              codec.decode_f16(codes + c0, box.gc, q.scale(g), zero_of(g), o + c0);
+            }
+          }
+          continue;
+        }
+      }
+      float* dst = buf;
+      if constexpr (std::is_same_v<T, float>) {
+        if (direct) dst = out.row(ot, h);
+      }
+      if (per_channel) {
+        codec.decode_vec(codes, sv + h * D, zv + h * D, D, dst);
+      } else {
+        for (int64_t c0 = 0; c0 < D; c0 += box.gc) {
+          const auto g = static_cast<std::size_t>(box.index(t, h, c0));
+          codec.decode(codes + c0, box.gc, q.scale(g), zero_of(g), dst + c0);
+        }
+      }
+      if (!direct) store_row(out, ot, h, dst);
     }
   }
 }
@@ -310,39 +302,38 @@ void grouped_dequantize(const QTensor& q, const Codec& codec, int bits, const KV
 }  // namespace detail
 
 /// Quantizes `x` ([tokens, heads, head_dim], any strides, f32/f16/bf16) with a uniform integer
-/// config into `q` (its storage is reused). Throws on NaN/inf input (naming the element), on
-/// groups that do not divide the shape, and on metadata overflow.
+/// config into caller memory `q` (sized by packed_sizes). Throws on NaN/inf input (naming the
+/// element), on groups that do not divide the shape, and on metadata overflow; the span's
+/// contents are then unspecified. quantize() (quant/quantize.hpp) is the checked entry point.
 template <class T>
-void quantize_uniform(const QuantConfig& cfg, const KVView<const T>& x, QTensor& q) {
+void quantize_uniform(const QuantConfig& cfg, const KVView<const T>& x, const PackedSpan& q,
+                      QuantWorkspace& ws) {
   KVQ_REQUIRE(cfg.format == Format::kInt, kInvalidArgument, "quantize_uniform needs an int config");
-  detail::grouped_quantize(cfg, detail::IntCodec(cfg), cfg.bits, x, q);
+  detail::grouped_quantize(cfg, detail::IntCodec(cfg), cfg.bits, x, q, ws);
 }
+/// Reconstructs tokens [t0, t0 + out.tokens()) of uniform-int data into `out` (f32/f16/bf16;
+/// any strides).
 template <class T>
-QTensor quantize_uniform(const QuantConfig& cfg, const KVView<const T>& x) {
-  QTensor q;
-  quantize_uniform(cfg, x, q);
-  return q;
-}
-/// Reconstructs a uniform-int QTensor into `out` (same shape; f32/f16/bf16; any strides).
-template <class T>
-void dequantize_uniform(const QTensor& q, const KVView<T>& out) {
+void dequantize_uniform(const PackedView& q, int64_t t0, const KVView<T>& out,
+                        QuantWorkspace& ws) {
   KVQ_REQUIRE(q.config.format == Format::kInt, kInvalidArgument, "dequantize_uniform needs int data");
-  detail::grouped_dequantize(q, detail::IntCodec(q.config), q.config.bits, out);
+  detail::grouped_dequantize(q, detail::IntCodec(q.config), q.config.bits, t0, out, ws);
 }
 
 /// Scaled FP8 (e4m3fn / e5m2) with one computed scale per group (axis token, channel, head or
 /// tensor); codes are the same bytes CUDA's saturating conversion of x / scale gives.
 template <class T>
-void quantize_fp8(const QuantConfig& cfg, const KVView<const T>& x, QTensor& q) {
+void quantize_fp8(const QuantConfig& cfg, const KVView<const T>& x, const PackedSpan& q,
+                  QuantWorkspace& ws) {
   KVQ_REQUIRE(cfg.format == Format::kE4M3 || cfg.format == Format::kE5M2, kInvalidArgument,
               "quantize_fp8 needs an e4m3 or e5m2 config");
-  detail::grouped_quantize(cfg, detail::Fp8Codec(cfg), 8, x, q);
+  detail::grouped_quantize(cfg, detail::Fp8Codec(cfg), 8, x, q, ws);
 }
 template <class T>
-void dequantize_fp8(const QTensor& q, const KVView<T>& out) {
+void dequantize_fp8(const PackedView& q, int64_t t0, const KVView<T>& out, QuantWorkspace& ws) {
   KVQ_REQUIRE(q.config.format == Format::kE4M3 || q.config.format == Format::kE5M2,
               kInvalidArgument, "dequantize_fp8 needs fp8 data");
-  detail::grouped_dequantize(q, detail::Fp8Codec(q.config), 8, out);
+  detail::grouped_dequantize(q, detail::Fp8Codec(q.config), 8, t0, out, ws);
 }
 
 }  // namespace kvq

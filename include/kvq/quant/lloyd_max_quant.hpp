@@ -8,8 +8,9 @@
 ///   u = R (x / n) with R the seeded randomized Hadamard rotation (geometry/rotation.hpp),
 ///   code_i = nearest centroid of the b-bit Lloyd-Max codebook for the coordinate density of
 ///       a random unit vector in R^d (format/codebook.hpp), packed densely.
-/// Dequantize: x' = n * R^T c(code). The seed is stored once per tensor (8 bytes); codebooks
-/// are derived from (d, b) and cost no bytes.
+/// Dequantize: x' = n * R^T c(code). The seed is part of the config (one per layer config, not
+/// stored per block, so it costs no bytes per tensor); codebooks are derived from (d, b) and
+/// cost no bytes either.
 ///
 /// QJL (opt-in, cfg.qjl): with r = u - c(code) (rotated space), store rn = ||r|| and one sign
 /// bit per coordinate of S r, where S is a seeded d x d standard Gaussian matrix. Since
@@ -23,11 +24,14 @@
 /// kvq::Error(kOutOfRange) (use f32 metadata); a norm at or below 2^-25 rounds to 0 and the vector
 /// reconstructs to 0; below 2^-14 the norm is an fp16 subnormal and loses relative precision.
 /// f32 norms cover every finite vector (sum of squares in double). docs/rotation.md.
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <map>
+#include <tuple>
 #include <vector>
 
 #include "kvq/core/bitpack.hpp"
@@ -35,35 +39,67 @@
 #include "kvq/format/codebook.hpp"
 #include "kvq/geometry/rotation.hpp"
 #include "kvq/kernels/cpu/uniform_cpu.hpp"
+#include "kvq/quant/packed_view.hpp"
 #include "kvq/quant/qtensor.hpp"
 
 namespace kvq {
 
 namespace detail {
 
-/// Everything derived from (d, bits, seed): built once and cached (thread-safe).
+/// Everything derived from (d, bits, seed): built once per process and never freed, so a
+/// pointer to it stays valid (kernels may cache it per layer config).
 struct LloydMaxContext {
   int dim;
   int bits;
+  uint64_t seed;
   Rotation rotation;
   const Codebook* codebook;
   std::vector<float> qjl;  ///< S, [d, d] row-major, N(0, 1) entries (built with the context)
 
-  LloydMaxContext(int d, int b, uint64_t seed)
-      : dim(d), bits(b), rotation(Rotation::hadamard(d, seed)), codebook(&lloyd_max_sphere(d, b)) {
-    Xoshiro256ss rng(seed ^ 0x51a9c0ffee123457ULL);
+  LloydMaxContext(int d, int b, uint64_t s)
+      : dim(d), bits(b), seed(s), rotation(Rotation::hadamard(d, s)),
+        codebook(&lloyd_max_sphere(d, b)) {
+    Xoshiro256ss rng(s ^ 0x51a9c0ffee123457ULL);
     qjl.resize(static_cast<std::size_t>(d) * static_cast<std::size_t>(d));
     for (auto& v : qjl) v = static_cast<float>(rng.normal());
   }
+  bool is(int d, int b, uint64_t s) const { return dim == d && bits == b && seed == s; }
 };
 
+/// The process-wide registry of contexts. Lookups of a context that exists are lock-free: the
+/// first kSlots contexts are published in an array of atomic pointers that readers scan; the
+/// mutex is taken only to build a new context (once per (d, bits, seed)) and, beyond kSlots
+/// distinct configs, to find the rest in the map.
+struct LloydMaxRegistry {
+  static constexpr int kSlots = 64;
+  std::mutex mu;  ///< guards `all` and publication into `slots`
+  std::map<std::tuple<int, int, uint64_t>, std::unique_ptr<LloydMaxContext>> all;
+  std::array<std::atomic<const LloydMaxContext*>, kSlots> slots{};
+};
+inline LloydMaxRegistry& lloyd_max_registry() {
+  static LloydMaxRegistry r;
+  return r;
+}
+
 inline const LloydMaxContext& lloyd_max_context(int d, int bits, uint64_t seed) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, int, uint64_t>, std::unique_ptr<LloydMaxContext>> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  auto& slot = cache[{d, bits, seed}];
-  if (!slot) slot = std::make_unique<LloydMaxContext>(d, bits, seed);
-  return *slot;
+  LloydMaxRegistry& r = lloyd_max_registry();
+  for (const auto& slot : r.slots) {  // lock-free fast path
+    const LloydMaxContext* c = slot.load(std::memory_order_acquire);
+    if (c == nullptr) break;
+    if (c->is(d, bits, seed)) return *c;
+  }
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto& owned = r.all[{d, bits, seed}];
+  if (!owned) {
+    owned = std::make_unique<LloydMaxContext>(d, bits, seed);
+    for (auto& slot : r.slots) {  // publish (writers hold the mutex)
+      if (slot.load(std::memory_order_relaxed) == nullptr) {
+        slot.store(owned.get(), std::memory_order_release);
+        break;
+      }
+    }
+  }
+  return *owned;
 }
 
 inline void check_lloyd_max(const QuantConfig& cfg, const Shape& s) {
@@ -96,64 +132,56 @@ inline float dot_f(const float* a, const float* b, int64_t n) {
 
 }  // namespace detail
 
-/// Quantizes x with a Lloyd-Max config into q (storage reused).
+/// Quantizes x with a Lloyd-Max config into caller memory `q` (sized by packed_sizes). On a
+/// throw the span's contents are unspecified.
 template <class T>
-void quantize_lloyd_max(const QuantConfig& cfg, const KVView<const T>& x, QTensor& q) {
+void quantize_lloyd_max(const QuantConfig& cfg, const KVView<const T>& x, const PackedSpan& q,
+                        QuantWorkspace& ws) {
   KVQ_REQUIRE(cfg.format == Format::kLloydMax, kInvalidArgument, "quantize_lloyd_max needs an lm config");
   const Shape s = x.shape();
   detail::check_lloyd_max(cfg, s);
   const auto n = static_cast<std::size_t>(s.numel());
-  const auto vectors = static_cast<std::size_t>(s.tokens * s.heads);
-  q.config = cfg;
-  q.shape = s;
-  q.codes.assign(packed_bytes(n, cfg.bits), 0);
-  q.scales.reset(cfg.meta, 0);
-  q.zeros.reset(cfg.meta, 0);
-  q.norms.reset(cfg.meta, vectors);
-  q.qjl_signs.assign(cfg.qjl ? packed_bytes(n, 1) : 0, 0);
-  q.qjl_norms.reset(cfg.meta, cfg.qjl ? vectors : 0);
-  q.has_seed = n > 0;
   if (n == 0) return;
+  q.codes[packed_bytes(n, cfg.bits) - 1] = 0;  // unused trailing bits are zero
+  if (cfg.qjl) q.qjl_signs[packed_bytes(n, 1) - 1] = 0;
   const int D = static_cast<int>(s.head_dim);
   const auto& ctx = detail::lloyd_max_context(D, cfg.bits, cfg.seed);
-  std::vector<float> buf(static_cast<std::size_t>(D)), u(static_cast<std::size_t>(D)),
-      r(static_cast<std::size_t>(D));
-  std::vector<uint8_t> codes(static_cast<std::size_t>(D)), signs(static_cast<std::size_t>(D));
+  const auto ud = static_cast<std::size_t>(D);
+  float* buf = QuantWorkspace::at_least(ws.buf, ud);
+  float* u = QuantWorkspace::at_least(ws.u, ud);
+  float* r = QuantWorkspace::at_least(ws.r, ud);
+  uint8_t* codes = QuantWorkspace::at_least(ws.codes, ud);
+  uint8_t* signs = QuantWorkspace::at_least(ws.signs, ud);
   std::size_t v = 0;
   for (int64_t t = 0; t < s.tokens; ++t) {
     for (int64_t h = 0; h < s.heads; ++h, ++v) {
-      const float* row = detail::load_row(x, t, h, buf.data());
+      const float* row = detail::load_row(x, t, h, buf);
       float lo = INFINITY, hi = -INFINITY;
       if (!kernels::minmax(row, D, lo, hi)) detail::throw_non_finite_row(x, t, h, "quantize");
       // Sum of squares and root in double: a float sum would overflow for norms above ~1.8e19
       // that f32 metadata can hold.
-      const float norm = q.norms.set(v, static_cast<float>(std::sqrt(detail::sum_sq_d(row, D))));
+      const float norm = detail::store_meta(q.norms, cfg.meta, v,
+                                            static_cast<float>(std::sqrt(detail::sum_sq_d(row, D))));
       KVQ_REQUIRE(std::isfinite(norm), kOutOfRange, "norm of vector (token=", t, ", head=", h,
                   ") overflows ", to_string(cfg.meta), " metadata",
                   cfg.meta == MetaDType::kF16 ? "; use f32 metadata" : "");
       const float inv = norm > 0.f ? 1.0f / norm : 0.f;
       if (std::isfinite(inv)) {
-        for (int i = 0; i < D; ++i) u[static_cast<std::size_t>(i)] = row[i] * inv;
+        for (int i = 0; i < D; ++i) u[i] = row[i] * inv;
       } else {  // subnormal f32 norm: 1/norm overflows, so divide (rare, off the hot path)
         for (int i = 0; i < D; ++i)
-          u[static_cast<std::size_t>(i)] =
-              static_cast<float>(static_cast<double>(row[i]) / static_cast<double>(norm));
+          u[i] = static_cast<float>(static_cast<double>(row[i]) / static_cast<double>(norm));
       }
-      ctx.rotation.apply(u.data());
-      ctx.codebook->encode(u.data(), codes.data(), D);
-      kernels::pack_codes(codes.data(), static_cast<std::size_t>(D), cfg.bits, q.codes.data(),
-                          v * static_cast<std::size_t>(D) * static_cast<std::size_t>(cfg.bits));
+      ctx.rotation.apply(u);
+      ctx.codebook->encode(u, codes, D);
+      kernels::pack_codes(codes, ud, cfg.bits, q.codes, v * ud * static_cast<std::size_t>(cfg.bits));
       if (cfg.qjl) {
+        for (int i = 0; i < D; ++i) r[i] = u[i] - ctx.codebook->decode(codes[i]);
+        detail::store_meta(q.qjl_norms, cfg.meta, v,
+                           static_cast<float>(std::sqrt(static_cast<double>(detail::dot_f(r, r, D)))));
         for (int i = 0; i < D; ++i)
-          r[static_cast<std::size_t>(i)] =
-              u[static_cast<std::size_t>(i)] - ctx.codebook->decode(codes[static_cast<std::size_t>(i)]);
-        q.qjl_norms.set(v, static_cast<float>(std::sqrt(
-                               static_cast<double>(detail::dot_f(r.data(), r.data(), D)))));
-        for (int i = 0; i < D; ++i)
-          signs[static_cast<std::size_t>(i)] =
-              detail::dot_f(ctx.qjl.data() + static_cast<std::size_t>(i) * D, r.data(), D) >= 0.f;
-        pack_bits(signs.data(), static_cast<std::size_t>(D), 1, q.qjl_signs.data(),
-                  v * static_cast<std::size_t>(D));
+          signs[i] = detail::dot_f(ctx.qjl.data() + static_cast<std::size_t>(i) * ud, r, D) >= 0.f;
+        pack_bits(signs, ud, 1, q.qjl_signs, v * ud);
       }
     }
   }
@@ -161,16 +189,16 @@ void quantize_lloyd_max(const QuantConfig& cfg, const KVView<const T>& x, QTenso
 
 /// Decodes vector v of q in the rotated space (codebook values, plus the QJL correction when
 /// present), unscaled by the norm: the rotated unit vector estimate.
-inline void lloyd_max_rotated(const QTensor& q, const detail::LloydMaxContext& ctx, std::size_t v,
-                              float* out, uint8_t* code_buf) {
+inline void lloyd_max_rotated(const PackedView& q, const detail::LloydMaxContext& ctx,
+                              std::size_t v, float* out, uint8_t* code_buf) {
   const int D = ctx.dim;
-  kernels::unpack_codes(q.codes.data(), static_cast<std::size_t>(D), q.config.bits, code_buf,
+  kernels::unpack_codes(q.codes, static_cast<std::size_t>(D), q.config.bits, code_buf,
                         v * static_cast<std::size_t>(D) * static_cast<std::size_t>(q.config.bits));
   ctx.codebook->decode(code_buf, out, D);
   if (q.config.qjl) {
-    unpack_bits(q.qjl_signs.data(), static_cast<std::size_t>(D), 1, code_buf,
+    unpack_bits(q.qjl_signs, static_cast<std::size_t>(D), 1, code_buf,
                 v * static_cast<std::size_t>(D));
-    const float c = q.qjl_norms.get(v) * static_cast<float>(std::sqrt(M_PI / 2.0) / D);
+    const float c = q.qjl_norm(v) * static_cast<float>(std::sqrt(M_PI / 2.0) / D);
     for (int j = 0; j < D; ++j) {
       const float sj = code_buf[j] ? c : -c;
       const float* srow = ctx.qjl.data() + static_cast<std::size_t>(j) * D;
@@ -178,30 +206,38 @@ inline void lloyd_max_rotated(const QTensor& q, const detail::LloydMaxContext& c
     }
   }
 }
+inline void lloyd_max_rotated(const QTensor& q, const detail::LloydMaxContext& ctx, std::size_t v,
+                              float* out, uint8_t* code_buf) {
+  lloyd_max_rotated(view_of(q), ctx, v, out, code_buf);
+}
 
+/// Reconstructs tokens [t0, t0 + out.tokens()) of Lloyd-Max data into `out`.
 template <class T>
-void dequantize_lloyd_max(const QTensor& q, const KVView<T>& out) {
+void dequantize_lloyd_max(const PackedView& q, int64_t t0, const KVView<T>& out,
+                          QuantWorkspace& ws) {
+  KVQ_REQUIRE(q.config.format == Format::kLloydMax, kInvalidArgument,
+              "dequantize_lloyd_max needs Lloyd-Max data");
   const Shape s = q.shape;
-  if (s.numel() == 0) return;
+  if (out.numel() == 0) return;
   const int D = static_cast<int>(s.head_dim);
   const auto& ctx = detail::lloyd_max_context(D, q.config.bits, q.config.seed);
-  std::vector<float> buf(static_cast<std::size_t>(D));
-  std::vector<uint8_t> code_buf(static_cast<std::size_t>(D));
-  std::size_t v = 0;
-  for (int64_t t = 0; t < s.tokens; ++t)
-    for (int64_t h = 0; h < s.heads; ++h, ++v) {
-      lloyd_max_rotated(q, ctx, v, buf.data(), code_buf.data());
-      ctx.rotation.apply_inverse(buf.data());
-      const float norm = q.norms.get(v);
-      for (int i = 0; i < D; ++i) buf[static_cast<std::size_t>(i)] *= norm;
-      detail::store_row(out, t, h, buf.data());
+  float* buf = QuantWorkspace::at_least(ws.buf, static_cast<std::size_t>(D));
+  uint8_t* code_buf = QuantWorkspace::at_least(ws.codes, static_cast<std::size_t>(D));
+  for (int64_t t = t0; t < t0 + out.tokens(); ++t)
+    for (int64_t h = 0; h < s.heads; ++h) {
+      const auto v = static_cast<std::size_t>(t * s.heads + h);
+      lloyd_max_rotated(q, ctx, v, buf, code_buf);
+      ctx.rotation.apply_inverse(buf);
+      const float norm = q.norm(v);
+      for (int i = 0; i < D; ++i) buf[i] *= norm;
+      detail::store_row(out, t - t0, h, buf);
     }
 }
 
 /// Attention scores without rotating keys back: q.k = (R q).(R k), so the query is rotated
 /// once and dotted with the decoded codes of every key. q is [heads_q, head_dim] (query head h
 /// reads key head h / (heads_q / heads)); scores is [heads_q, tokens], scaled by `scale`.
-inline void lloyd_max_scores(const QTensor& k, const float* q, int heads_q, float scale,
+inline void lloyd_max_scores(const PackedView& k, const float* q, int heads_q, float scale,
                              float* scores) {
   const Shape s = k.shape;
   KVQ_REQUIRE(k.config.format == Format::kLloydMax, kInvalidArgument,
@@ -220,13 +256,18 @@ inline void lloyd_max_scores(const QTensor& k, const float* q, int heads_q, floa
     for (int64_t h = 0; h < s.heads; ++h) {
       const auto v = static_cast<std::size_t>(t * s.heads + h);
       lloyd_max_rotated(k, ctx, v, kr.data(), code_buf.data());
-      const float norm = k.norms.get(v);
+      const float norm = k.norm(v);
       for (int64_t g = 0; g < group; ++g) {
         const int64_t hq = h * group + g;
         scores[hq * s.tokens + t] =
             scale * norm * detail::dot_f(qr.data() + hq * D, kr.data(), D);
       }
     }
+}
+
+inline void lloyd_max_scores(const QTensor& k, const float* q, int heads_q, float scale,
+                             float* scores) {
+  lloyd_max_scores(view_of(k), q, heads_q, scale, scores);
 }
 
 }  // namespace kvq

@@ -20,6 +20,7 @@
 /// with memcpy); the paged layout aligns every region to 64 bytes anyway.
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "kvq/core/half.hpp"
 #include "kvq/core/tensor.hpp"
@@ -36,6 +37,16 @@ inline float load_meta(const uint8_t* base, MetaDType m, std::size_t i) {
   }
   float v;
   std::memcpy(&v, base + 4 * i, 4);
+  return v;
+}
+/// Stores v at slot i (rounded to m) and returns the value stored.
+inline float store_meta(uint8_t* base, MetaDType m, std::size_t i, float v) {
+  if (m == MetaDType::kF16) {
+    const uint16_t h = float_to_half_bits_fast(v);
+    std::memcpy(base + 2 * i, &h, 2);
+    return half_bits_to_float_fast(h);
+  }
+  std::memcpy(base + 4 * i, &v, 4);
   return v;
 }
 }  // namespace detail
@@ -81,6 +92,50 @@ struct PackedSpan {
     v.qjl_signs = qjl_signs;
     v.qjl_norms = qjl_norms;
     return v;
+  }
+};
+
+/// A writable view of q's buffers (sized by the caller, e.g. size_for()).
+inline PackedSpan span_of(QTensor& q) {
+  auto ptr = [](std::vector<uint8_t>& v) -> uint8_t* { return v.empty() ? nullptr : v.data(); };
+  PackedSpan v;
+  v.config = q.config;
+  v.shape = q.shape;
+  v.codes = ptr(q.codes);
+  v.scales = q.scales.data();
+  v.zeros = q.zeros.data();
+  v.norms = q.norms.data();
+  v.qjl_signs = ptr(q.qjl_signs);
+  v.qjl_norms = q.qjl_norms.data();
+  return v;
+}
+
+/// Sizes q's buffers for (cfg, s) as packed_sizes() says (contents unspecified; existing
+/// capacity is reused).
+inline void size_for(QTensor& q, const QuantConfig& cfg, const Shape& s) {
+  const PackedSizes p = packed_sizes(cfg, s);
+  const auto msz = static_cast<std::size_t>(meta_size(cfg.meta));
+  q.config = cfg;
+  q.shape = s;
+  q.codes.resize(p.codes);
+  q.scales.reset(cfg.meta, p.scales / msz);
+  q.zeros.reset(cfg.meta, p.zeros / msz);
+  q.norms.reset(cfg.meta, p.norms / msz);
+  q.qjl_signs.resize(p.qjl_signs);
+  q.qjl_norms.reset(cfg.meta, p.qjl_norms / msz);
+}
+
+/// Scratch of the span/view quantizers (quantize_into, dequantize(PackedView, ..., ws)): every
+/// vector only grows, so a caller that reuses one workspace for the same geometry allocates
+/// nothing after the first call.
+struct QuantWorkspace {
+  std::vector<float> buf, u, r;       // [head_dim] one row
+  std::vector<uint8_t> codes, signs;  // [head_dim] unpacked codes / QJL signs
+  std::vector<float> lo, hi, zv, iv;  // [heads * head_dim] per-block group parameters
+  template <class V>
+  static typename V::value_type* at_least(V& v, std::size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
   }
 };
 

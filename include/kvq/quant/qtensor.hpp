@@ -6,13 +6,16 @@
 /// scaled FP8, rotate-then-Lloyd-Max). Compile-time policies (policy/) and runtime spec strings
 /// both produce a QuantConfig and go through the same quantize()/dequantize() dispatch.
 #include <cstdint>
+#include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kvq/core/error.hpp"
 #include "kvq/core/half.hpp"
 #include "kvq/core/tensor.hpp"
+#include "kvq/format/meta.hpp"
 #include "kvq/geometry/grouping.hpp"
 
 namespace kvq {
@@ -39,16 +42,6 @@ inline const char* to_string(Format f) {
     case Format::kLloydMax: return "lm";
   }
   return "?";
-}
-
-/// Storage type of metadata (scales, zero points, norms).
-enum class MetaDType : uint8_t { kF16, kF32 };
-inline int meta_size(MetaDType m) { return m == MetaDType::kF16 ? 2 : 4; }
-inline const char* to_string(MetaDType m) { return m == MetaDType::kF16 ? "f16" : "f32"; }
-
-/// Rounds v to what a metadata slot of type m stores.
-inline float round_meta(MetaDType m, float v) {
-  return m == MetaDType::kF32 ? v : half_bits_to_float_fast(float_to_half_bits_fast(v));
 }
 
 /// Everything that defines how one tensor is stored.
@@ -131,6 +124,13 @@ class MetaBuffer {
   uint8_t* data_at(std::size_t i) {
     return bytes_.data() + i * static_cast<std::size_t>(meta_size(dtype_));
   }
+  /// Start of the storage (null when empty), for PackedSpan.
+  uint8_t* data() { return bytes_.empty() ? nullptr : bytes_.data(); }
+  void swap(MetaBuffer& o) noexcept {
+    std::swap(dtype_, o.dtype_);
+    std::swap(count_, o.count_);
+    bytes_.swap(o.bytes_);
+  }
   bool operator==(const MetaBuffer& o) const {
     return dtype_ == o.dtype_ && count_ == o.count_ && bytes_ == o.bytes_;
   }
@@ -142,6 +142,8 @@ class MetaBuffer {
 };
 
 /// Byte count of a stored tensor, by kind. effective bits = 8 * total / elements.
+/// Every kind counts bytes some buffer really holds: the Lloyd-Max rotation seed lives in the
+/// config (one per layer config, not per block) and is not counted here.
 struct ByteBreakdown {
   std::size_t codes = 0;      ///< packed codes (or raw values for f32/f16/bf16)
   std::size_t scales = 0;     ///< per-group scales
@@ -150,9 +152,9 @@ struct ByteBreakdown {
   std::size_t residual = 0;   ///< QJL sign bits and residual norms
   std::size_t outliers = 0;   ///< sparse outliers (values + indices)
   std::size_t codebooks = 0;  ///< stored codebooks (0 when derived from (d, b))
-  std::size_t seeds = 0;      ///< rotation / projection seeds
+  std::size_t padding = 0;    ///< alignment padding between the regions of a page (layout/)
   std::size_t total() const {
-    return codes + scales + zeros + norms + residual + outliers + codebooks + seeds;
+    return codes + scales + zeros + norms + residual + outliers + codebooks + padding;
   }
   ByteBreakdown& operator+=(const ByteBreakdown& o) {
     codes += o.codes;
@@ -162,13 +164,13 @@ struct ByteBreakdown {
     residual += o.residual;
     outliers += o.outliers;
     codebooks += o.codebooks;
-    seeds += o.seeds;
+    padding += o.padding;
     return *this;
   }
   bool operator==(const ByteBreakdown& o) const {
     return codes == o.codes && scales == o.scales && zeros == o.zeros && norms == o.norms &&
            residual == o.residual && outliers == o.outliers && codebooks == o.codebooks &&
-           seeds == o.seeds;
+           padding == o.padding;
   }
   /// 8 * total / numel; 0 for an empty tensor (documented: no NaN).
   double effective_bits(int64_t numel) const {
@@ -176,6 +178,79 @@ struct ByteBreakdown {
   }
 };
 
+/// Bytes of every array of a packed tensor (config, shape), in the byte order PackedView
+/// documents (quant/packed_view.hpp). Validates the config and the shape first: bit widths
+/// the format supports, groups that divide the shape, Lloyd-Max head_dim, and sizes that fit
+/// size_t (kInvalidArgument / kShapeMismatch / kOutOfRange).
+struct PackedSizes {
+  std::size_t codes = 0;      ///< bitstream (raw values for f32/f16/bf16, 1 byte per fp8 code)
+  std::size_t scales = 0;     ///< one metadata value per group box
+  std::size_t zeros = 0;      ///< one per group box (asymmetric int)
+  std::size_t norms = 0;      ///< one per vector (Lloyd-Max)
+  std::size_t qjl_signs = 0;  ///< one bit per coordinate (Lloyd-Max + QJL)
+  std::size_t qjl_norms = 0;  ///< one per vector (Lloyd-Max + QJL)
+  std::size_t groups = 0;     ///< group boxes (int, fp8)
+  std::size_t total() const { return codes + scales + zeros + norms + qjl_signs + qjl_norms; }
+};
+
+namespace detail {
+/// Throws kInvalidArgument unless `bits` is a code width `cfg.format` stores (int: 2, 3, 4, 8;
+/// Lloyd-Max: 1..4). Raw and fp8 formats ignore cfg.bits (their width is fixed).
+inline void check_format_bits(const QuantConfig& cfg) {
+  if (cfg.format == Format::kInt) {
+    KVQ_REQUIRE(cfg.bits == 2 || cfg.bits == 3 || cfg.bits == 4 || cfg.bits == 8,
+                kInvalidArgument, "integer formats support 2, 3, 4 or 8 bits, got ", cfg.bits);
+  } else if (cfg.format == Format::kLloydMax) {
+    KVQ_REQUIRE(cfg.bits >= 1 && cfg.bits <= 4, kInvalidArgument,
+                "Lloyd-Max codebooks have 1..4 bits, got ", cfg.bits);
+  }
+  KVQ_REQUIRE(static_cast<uint8_t>(cfg.format) <= static_cast<uint8_t>(Format::kLloydMax),
+              kInvalidArgument, "unknown format code ", static_cast<int>(cfg.format));
+}
+/// a * b, throwing kOutOfRange when it does not fit size_t.
+inline std::size_t checked_mul(std::size_t a, std::size_t b, const Shape& s) {
+  KVQ_REQUIRE(a == 0 || b <= SIZE_MAX / a, kOutOfRange, "a packed tensor of shape ", s.str(),
+              " does not fit in memory (size_t overflow)");
+  return a * b;
+}
+}  // namespace detail
+
+inline PackedSizes packed_sizes(const QuantConfig& cfg, const Shape& shape) {
+  detail::check_format_bits(cfg);
+  KVQ_REQUIRE(shape.tokens >= 0 && shape.heads >= 0 && shape.head_dim >= 0, kShapeMismatch,
+              "negative extent in shape ", shape.str());
+  PackedSizes p;
+  const std::size_t vectors = detail::checked_mul(static_cast<std::size_t>(shape.tokens),
+                                                  static_cast<std::size_t>(shape.heads), shape);
+  const std::size_t n =
+      detail::checked_mul(vectors, static_cast<std::size_t>(shape.head_dim), shape);
+  detail::checked_mul(n, 32, shape);  // every bit count below fits
+  const auto msz = static_cast<std::size_t>(meta_size(cfg.meta));
+  switch (cfg.format) {
+    case Format::kF32: p.codes = 4 * n; break;
+    case Format::kF16:
+    case Format::kBF16: p.codes = 2 * n; break;
+    case Format::kInt:
+    case Format::kE4M3:
+    case Format::kE5M2: {
+      const GroupBox box = group_box(cfg.axis, cfg.group, shape);
+      p.groups = n > 0 ? static_cast<std::size_t>(box.count()) : 0;
+      p.codes = cfg.format == Format::kInt ? (n * static_cast<std::size_t>(cfg.bits) + 7) / 8 : n;
+      p.scales = p.groups * msz;
+      p.zeros = cfg.format == Format::kInt && !cfg.symmetric ? p.groups * msz : 0;
+      break;
+    }
+    case Format::kLloydMax:
+      p.codes = (n * static_cast<std::size_t>(cfg.bits) + 7) / 8;
+      p.norms = vectors * msz;
+      if (cfg.qjl) {
+        p.qjl_signs = (n + 7) / 8;
+        p.qjl_norms = vectors * msz;
+      }
+      break;
+  }
+  return p;
+}
 /// A packed, quantized tensor: owns its codes and all metadata. Its bytes() is exactly what
 /// the accountant predicts for (config, shape).
 struct QTensor {
@@ -187,7 +262,6 @@ struct QTensor {
   MetaBuffer norms;            ///< one per (token, head) vector (lm)
   std::vector<uint8_t> qjl_signs;  ///< lm + qjl: one bit per coordinate
   MetaBuffer qjl_norms;            ///< lm + qjl: residual norm per vector
-  bool has_seed = false;           ///< lm: the rotation seed is stored (8 bytes)
 
   ByteBreakdown breakdown() const {
     ByteBreakdown b;
@@ -196,7 +270,6 @@ struct QTensor {
     b.zeros = zeros.bytes();
     b.norms = norms.bytes();
     b.residual = qjl_signs.size() + qjl_norms.bytes();
-    b.seeds = has_seed ? sizeof(uint64_t) : 0;
     return b;
   }
   std::size_t bytes() const { return breakdown().total(); }

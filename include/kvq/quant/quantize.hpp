@@ -1,76 +1,158 @@
 #pragma once
 /// \file quantize.hpp
-/// The one entry point for storing a tensor under a QuantConfig: quantize() -> QTensor,
-/// dequantize(QTensor) -> floats. Compile-time policies and runtime specs both end here.
+/// The one entry point for storing a tensor under a QuantConfig. Compile-time policies and
+/// runtime specs both end here.
+///
+///   quantize_into(cfg, x, span, ws)  writes into caller memory (a page region, an engine's
+///                                    buffer): no allocation once `ws` has grown
+///   quantize(cfg, x, out)            into a QTensor, with the strong guarantee
+///   dequantize(view, out[, ws])      from any PackedView (QTensor, page, engine page)
+///   dequantize(qtensor, out)         the same through view_of()
+#include <cmath>
+#include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvq/core/half.hpp"
 #include "kvq/core/rows.hpp"
 #include "kvq/core/tensor.hpp"
-#include "kvq/quant/qtensor.hpp"
+#include "kvq/kernels/cpu/uniform_cpu.hpp"
 #include "kvq/quant/grouped_quant.hpp"
 #include "kvq/quant/lloyd_max_quant.hpp"
+#include "kvq/quant/packed_view.hpp"
+#include "kvq/quant/qtensor.hpp"
 
 namespace kvq {
 
 namespace detail {
+
+/// Largest |x| that rounds to a finite value of the stored raw type (f16: below 65520, the
+/// midpoint to the next binade; bf16: below 0x7F7F8000, the midpoint above bf16's maximum).
+template <class Stored>
+constexpr float raw_limit() {
+  if constexpr (std::is_same_v<Stored, f16>) {
+    return 65520.f;
+  } else if constexpr (std::is_same_v<Stored, bf16>) {
+    return 3.3961776e38f;  // bit pattern 0x7F7F8000
+  } else {
+    return INFINITY;
+  }
+}
+
+/// Raw formats validate every row (finite, and representable in the stored type) before
+/// writing a byte, so a throw leaves the span as it was.
 template <class Stored, class T>
-QTensor quantize_raw(const QuantConfig& cfg, const KVView<const T>& x) {
-  QTensor q;
-  q.config = cfg;
-  q.shape = x.shape();
+void quantize_raw(const KVView<const T>& x, const PackedSpan& q, QuantWorkspace& ws) {
   const int64_t D = x.head_dim();
-  q.codes.resize(static_cast<std::size_t>(x.numel()) * sizeof(Stored));
-  std::vector<float> buf(static_cast<std::size_t>(D));
-  auto* dst = reinterpret_cast<Stored*>(q.codes.data());
+  float* buf = QuantWorkspace::at_least(ws.buf, static_cast<std::size_t>(D));
+  constexpr float kLimit = raw_limit<Stored>();
   for (int64_t t = 0; t < x.tokens(); ++t)
     for (int64_t h = 0; h < x.heads(); ++h) {
-      const float* row = load_row(x, t, h, buf.data());
+      const float* row = load_row(x, t, h, buf);
+      float lo = INFINITY, hi = -INFINITY;
+      if (!kernels::minmax(row, D, lo, hi)) throw_non_finite_row(x, t, h, "quantize");
+      if (std::isfinite(kLimit) && (hi >= kLimit || -lo >= kLimit)) {
+        for (int64_t d = 0; d < D; ++d)
+          if (std::fabs(row[d]) >= kLimit)
+            fail(ErrorKind::kOutOfRange, "quantize: element (token=", t, ", head=", h,
+                 ", channel=", d, ") is ", row[d], ", which ",
+                 std::is_same_v<Stored, f16> ? "f16" : "bf16", " cannot store (it would become inf)");
+      }
+    }
+  auto* dst = reinterpret_cast<Stored*>(q.codes);
+  for (int64_t t = 0; t < x.tokens(); ++t)
+    for (int64_t h = 0; h < x.heads(); ++h) {
+      const float* row = load_row(x, t, h, buf);
       Stored* o = dst + (t * x.heads() + h) * D;
       if constexpr (std::is_same_v<Stored, float>) {
-        std::copy(row, row + D, o);
+        std::memcpy(o, row, static_cast<std::size_t>(D) * sizeof(float));
       } else {
         convert(row, o, static_cast<std::size_t>(D));
       }
     }
-  return q;
 }
 
 template <class Stored, class T>
-void dequantize_raw(const QTensor& q, const KVView<T>& out) {
-  const int64_t D = q.shape.head_dim;
-  std::vector<float> buf(static_cast<std::size_t>(D));
-  const auto* src = reinterpret_cast<const Stored*>(q.codes.data());
-  for (int64_t t = 0; t < q.shape.tokens; ++t)
-    for (int64_t h = 0; h < q.shape.heads; ++h) {
-      const Stored* r = src + (t * q.shape.heads + h) * D;
+void dequantize_raw(const PackedView& q, int64_t t0, const KVView<T>& out, QuantWorkspace& ws) {
+  const int64_t D = q.shape.head_dim, H = q.shape.heads;
+  float* buf = QuantWorkspace::at_least(ws.buf, static_cast<std::size_t>(D));
+  const auto* src = reinterpret_cast<const Stored*>(q.codes);
+  for (int64_t t = t0; t < t0 + out.tokens(); ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const Stored* r = src + (t * H + h) * D;
       if constexpr (std::is_same_v<Stored, float>) {
-        std::copy(r, r + D, buf.begin());
+        std::memcpy(buf, r, static_cast<std::size_t>(D) * sizeof(float));
       } else {
-        convert(r, buf.data(), static_cast<std::size_t>(D));
+        convert(r, buf, static_cast<std::size_t>(D));
       }
-      store_row(out, t, h, buf.data());
+      store_row(out, t - t0, h, buf);
     }
 }
+
+inline void check_span(const PackedSizes& p, const PackedSpan& q) {
+  KVQ_REQUIRE((p.codes == 0 || q.codes) && (p.scales == 0 || q.scales) &&
+                  (p.zeros == 0 || q.zeros) && (p.norms == 0 || q.norms) &&
+                  (p.qjl_signs == 0 || q.qjl_signs) && (p.qjl_norms == 0 || q.qjl_norms),
+              kInvalidArgument, "quantize_into: the span lacks a region that ",
+              q.config.name(), " needs");
+}
+
+/// Per-thread scratch of quantize(cfg, x, QTensor&): the result is built here and swapped
+/// into `out`, so `out` is untouched when quantizing throws.
+inline QTensor& quantize_scratch() {
+  thread_local QTensor q;
+  return q;
+}
+inline QuantWorkspace& quantize_workspace() {
+  thread_local QuantWorkspace ws;
+  return ws;
+}
+
 }  // namespace detail
 
-/// Stores `x` ([tokens, heads, head_dim]) under `cfg`. Bad input (NaN/inf, shapes that do not
-/// fit the groups, metadata overflow, unsupported parameters) throws kvq::Error and leaves no
-/// partial result.
-/// The result goes into `out`, whose buffers are reused (no allocation when the shape repeats).
+/// Quantizes `x` ([tokens, heads, head_dim], any strides, f32/f16/bf16) under `cfg` into
+/// caller memory `q` (q.shape == x.shape(); every region packed_sizes(cfg, x.shape()) lists,
+/// with exactly that many bytes). The bytes written are exactly those quantize() puts in a
+/// QTensor. Allocates nothing once `ws` has grown to the geometry (first call). Throws on bad
+/// input (NaN/inf, groups that do not divide the shape, metadata overflow, unsupported
+/// parameters); the span's contents are then unspecified (a page slot not yet committed).
 template <class T>
-void quantize(const QuantConfig& cfg, const KVView<const T>& x, QTensor& out) {
+void quantize_into(const QuantConfig& cfg, const KVView<const T>& x, const PackedSpan& q,
+                   QuantWorkspace& ws) {
+  KVQ_REQUIRE(q.shape == x.shape(), kShapeMismatch, "quantize_into: span shape ", q.shape.str(),
+              " but the input is ", x.shape().str());
+  const PackedSizes sizes = packed_sizes(cfg, x.shape());  // validates bits, groups, sizes
+  detail::check_span(sizes, q);
   switch (cfg.format) {
-    case Format::kF32: out = detail::quantize_raw<float>(cfg, x); return;
-    case Format::kF16: out = detail::quantize_raw<f16>(cfg, x); return;
-    case Format::kBF16: out = detail::quantize_raw<bf16>(cfg, x); return;
-    case Format::kInt: quantize_uniform(cfg, x, out); return;
+    case Format::kF32: return detail::quantize_raw<float>(x, q, ws);
+    case Format::kF16: return detail::quantize_raw<f16>(x, q, ws);
+    case Format::kBF16: return detail::quantize_raw<bf16>(x, q, ws);
+    case Format::kInt: return quantize_uniform(cfg, x, q, ws);
     case Format::kE4M3:
-    case Format::kE5M2: quantize_fp8(cfg, x, out); return;
-    case Format::kLloydMax: quantize_lloyd_max(cfg, x, out); return;
+    case Format::kE5M2: return quantize_fp8(cfg, x, q, ws);
+    case Format::kLloydMax: return quantize_lloyd_max(cfg, x, q, ws);
   }
   fail(ErrorKind::kInvalidArgument, "unknown format code ", static_cast<int>(cfg.format));
+}
+template <class T>
+void quantize_into(const QuantConfig& cfg, const KVView<T>& x, const PackedSpan& q,
+                   QuantWorkspace& ws) {
+  quantize_into(cfg, KVView<const std::remove_const_t<T>>(x), q, ws);
+}
+
+/// Stores `x` ([tokens, heads, head_dim]) under `cfg` into `out`. Bad input (NaN/inf, values a
+/// raw f16/bf16 cannot hold, shapes that do not fit the groups, metadata overflow, unsupported
+/// parameters) throws kvq::Error and leaves `out` exactly as it was: the tensor is built in a
+/// per-thread scratch QTensor and swapped into `out` on success. Buffers ping-pong between
+/// `out` and the scratch, so quantizing the same shape into the same `out` again allocates
+/// nothing from the third call on a thread.
+template <class T>
+void quantize(const QuantConfig& cfg, const KVView<const T>& x, QTensor& out) {
+  QTensor& tmp = detail::quantize_scratch();
+  size_for(tmp, cfg, x.shape());
+  quantize_into(cfg, x, span_of(tmp), detail::quantize_workspace());
+  std::swap(tmp, out);
 }
 template <class T>
 QTensor quantize(const QuantConfig& cfg, const KVView<const T>& x) {
@@ -83,22 +165,44 @@ QTensor quantize(const QuantConfig& cfg, const KVView<T>& x) {
   return quantize(cfg, KVView<const std::remove_const_t<T>>(x));
 }
 
-/// Reconstructs `q` into `out` (same shape, any strides, f32/f16/bf16).
+/// Reconstructs tokens [t0, t0 + out.tokens()) of the packed tensor `q` into `out`
+/// ([out.tokens(), heads, head_dim], any strides, f32/f16/bf16). Allocates nothing once `ws`
+/// has grown (what the paged layout's token-range reads use).
 template <class T>
-void dequantize(const QTensor& q, const KVView<T>& out) {
+void dequantize_tokens(const PackedView& q, int64_t t0, const KVView<T>& out,
+                       QuantWorkspace& ws) {
   static_assert(!std::is_const_v<T>, "dequantize needs a writable view");
-  KVQ_REQUIRE(out.shape() == q.shape, kShapeMismatch, "dequantize into ", out.shape().str(),
-              " but the stored tensor is ", q.shape.str());
+  KVQ_REQUIRE(t0 >= 0 && t0 + out.tokens() <= q.shape.tokens && out.heads() == q.shape.heads &&
+                  out.head_dim() == q.shape.head_dim,
+              kShapeMismatch, "dequantize tokens [", t0, ", ", t0 + out.tokens(), ") into ",
+              out.shape().str(), " but the stored tensor is ", q.shape.str());
   switch (q.config.format) {
-    case Format::kF32: return detail::dequantize_raw<float>(q, out);
-    case Format::kF16: return detail::dequantize_raw<f16>(q, out);
-    case Format::kBF16: return detail::dequantize_raw<bf16>(q, out);
-    case Format::kInt: return dequantize_uniform(q, out);
+    case Format::kF32: return detail::dequantize_raw<float>(q, t0, out, ws);
+    case Format::kF16: return detail::dequantize_raw<f16>(q, t0, out, ws);
+    case Format::kBF16: return detail::dequantize_raw<bf16>(q, t0, out, ws);
+    case Format::kInt: return dequantize_uniform(q, t0, out, ws);
     case Format::kE4M3:
-    case Format::kE5M2: return dequantize_fp8(q, out);
-    case Format::kLloydMax: return dequantize_lloyd_max(q, out);
+    case Format::kE5M2: return dequantize_fp8(q, t0, out, ws);
+    case Format::kLloydMax: return dequantize_lloyd_max(q, t0, out, ws);
   }
   fail(ErrorKind::kInvalidArgument, "unknown format code ", static_cast<int>(q.config.format));
+}
+
+/// Reconstructs `q` into `out` (same shape, any strides, f32/f16/bf16).
+template <class T>
+void dequantize(const PackedView& q, const KVView<T>& out, QuantWorkspace& ws) {
+  KVQ_REQUIRE(out.shape() == q.shape, kShapeMismatch, "dequantize into ", out.shape().str(),
+              " but the stored tensor is ", q.shape.str());
+  dequantize_tokens(q, 0, out, ws);
+}
+template <class T>
+void dequantize(const PackedView& q, const KVView<T>& out) {
+  QuantWorkspace ws;
+  dequantize(q, out, ws);
+}
+template <class T>
+void dequantize(const QTensor& q, const KVView<T>& out) {
+  dequantize(view_of(q), out);
 }
 
 }  // namespace kvq
