@@ -232,6 +232,124 @@ void packed_seeds() {
   }
 }
 
+/// GGUF files written by hand (the format is simple enough that an independent writer here
+/// also cross-checks the reader's reading of the spec): every metadata value type, nested
+/// arrays, and one tensor of every type the reader dequantizes.
+void gguf_seeds() {
+  struct W {
+    std::vector<uint8_t> b;
+    void u32(uint32_t v) {
+      for (int i = 0; i < 4; ++i) b.push_back(static_cast<uint8_t>(v >> (8 * i)));
+    }
+    void u64(uint64_t v) {
+      for (int i = 0; i < 8; ++i) b.push_back(static_cast<uint8_t>(v >> (8 * i)));
+    }
+    void str(const std::string& s) {
+      u64(s.size());
+      b.insert(b.end(), s.begin(), s.end());
+    }
+  };
+  struct T {
+    const char* name;
+    std::vector<uint64_t> ne;
+    uint32_t type;
+    std::size_t bytes;
+  };
+  auto file = [](uint32_t version, bool with_meta, const std::vector<T>& tensors, uint32_t align) {
+    W w;
+    w.b = {'G', 'G', 'U', 'F'};
+    w.u32(version);
+    w.u64(tensors.size());
+    w.u64(with_meta ? 9 : (align != 32 ? 1 : 0));
+    if (with_meta) {
+      w.str("general.architecture");
+      w.u32(8);
+      w.str("llama");
+      w.str("llama.block_count");
+      w.u32(4);
+      w.u32(2);
+      w.str("llama.rope.freq_base");
+      w.u32(6);
+      w.u32(0x461c4000);  // 10000.0f
+      w.str("general.flag");
+      w.u32(7);
+      w.b.push_back(1);
+      w.str("tokenizer.ggml.tokens");
+      w.u32(9);
+      w.u32(8);
+      w.u64(2);
+      w.str("a");
+      w.str("bc");
+      w.str("tokenizer.ggml.token_type");
+      w.u32(9);
+      w.u32(5);
+      w.u64(3);
+      w.u32(1);
+      w.u32(2);
+      w.u32(0xffffffff);
+      w.str("x.nested");
+      w.u32(9);
+      w.u32(9);
+      w.u64(1);
+      w.u32(9);  // kvq's reader tags each element of an array of arrays with its type (9)
+      w.u32(0);
+      w.u64(2);
+      w.b.push_back(7);
+      w.b.push_back(8);
+      w.str("x.f64");
+      w.u32(12);
+      w.u64(0x3ff8000000000000ULL);  // 1.5
+      w.str("x.i64");
+      w.u32(11);
+      w.u64(static_cast<uint64_t>(-5));
+    }
+    if (align != 32) {
+      w.str("general.alignment");
+      w.u32(4);
+      w.u32(align);
+    }
+    uint64_t off = 0;
+    for (const T& t : tensors) {
+      w.str(t.name);
+      w.u32(static_cast<uint32_t>(t.ne.size()));
+      for (uint64_t e : t.ne) w.u64(e);
+      w.u32(t.type);
+      w.u64(off);
+      off += (t.bytes + align - 1) / align * align;
+    }
+    while (w.b.size() % align) w.b.push_back(0);
+    std::mt19937 rng(99);
+    for (const T& t : tensors) {
+      std::vector<uint8_t> d(t.bytes);
+      for (auto& x : d) x = static_cast<uint8_t>(rng());
+      // Keep the fp16 scale fields of quantized blocks small and finite (0x3c00 = 1.0).
+      if (t.type != 0 && t.type != 1 && t.type != 30) {
+        for (std::size_t i = 0; i + 1 < d.size(); i += 2) {
+          if (d[i + 1] >= 0x7c) d[i + 1] = 0x3c;
+        }
+      }
+      w.b.insert(w.b.end(), d.begin(), d.end());
+      while (w.b.size() % align) w.b.push_back(0);
+    }
+    return w.b;
+  };
+  put("gguf", "meta_only_v3.gguf", file(3, true, {}, 32));
+  put("gguf", "float_tensors_v2.gguf",
+      file(2, false, {{"f32", {4}, 0, 16}, {"f16", {8, 2}, 1, 32}, {"bf16", {4}, 30, 8}}, 32));
+  put("gguf", "q_legacy.gguf",
+      file(3, true,
+           {{"q4_0", {32}, 2, 18},
+            {"q4_1", {32}, 3, 20},
+            {"q5_0", {32}, 6, 22},
+            {"q5_1", {32}, 7, 24},
+            {"q8_0", {32, 2}, 8, 68}},
+           32));
+  put("gguf", "q_k.gguf",
+      file(3, false, {{"q4_k", {256}, 12, 144}, {"q5_k", {256}, 13, 176}, {"q6_k", {256}, 14, 210}},
+           64));
+  put("gguf", "unsupported_type.gguf", file(3, false, {{"q2_k", {256}, 10, 84}}, 32));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -246,6 +364,7 @@ int main(int argc, char** argv) {
   policy_seeds();
   dump_seeds();
   packed_seeds();
+  gguf_seeds();
   std::printf("seed corpora written under %s\n", g_root.string().c_str());
   return 0;
 }
