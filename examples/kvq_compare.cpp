@@ -7,10 +7,13 @@
 // error. Inputs:
 //   (default)                     kvq's built-in synthetic KV generator (eval/synthetic.hpp)
 //   --dump PATH                   a KV dump (docs/dump-format.md): .safetensors or .npy dir
-//   --model M --tokenizer T --text F
-//                                 a llama2.c model: its real K/V/Q on one sequence of F, and
-//                                 perplexity + next-token KL over F with the cache held under
-//                                 each scheme (residual 0: every complete block quantized)
+//   --model M [--tokenizer T] --text F
+//                                 a real model — llama2.c checkpoint (with its tokenizer T) or
+//                                 GGUF file (detected by magic; `smollm2` names the one fetched
+//                                 by ./kvq.sh model smollm2) —: its real K/V/Q on one sequence
+//                                 of F, and perplexity + next-token KL over F with the cache
+//                                 held under each scheme (residual 0: every complete block
+//                                 quantized)
 //
 // Writes <out>/compare.csv, <out>/compare.json and <out>/compare.svg (error vs effective bits,
 // Pareto front marked).
@@ -28,6 +31,7 @@
 
 #include <unistd.h>
 
+#include "eval_model.hpp"
 #include "kvq/accounting/accountant.hpp"
 #include "kvq/cache/cache_backend.hpp"
 #include "kvq/core/rope.hpp"
@@ -196,56 +200,23 @@ Input dump_input(const std::string& path, int n_queries, const kvq::RopeConfig& 
   return in;
 }
 
-/// Records every layer's queries of one sequence while an Fp32Backend holds its K and V.
-class RecordingBackend final : public kvq::eval::KVBackend {
- public:
-  explicit RecordingBackend(const kvq::eval::KVGeometry& g) : inner_(g), q_(static_cast<size_t>(g.n_layers)) {}
-  void reset() override {
-    inner_.reset();
-    for (auto& q : q_) q.clear();
-  }
-  void append(int layer, int pos, const float* kp, const float* k, const float* v) override {
-    inner_.append(layer, pos, kp, k, v);
-  }
-  void attend(int layer, int pos, const float* q, int n_heads, float* out) override {
-    const int d = inner_.geometry().head_dim;
-    auto& dst = q_[static_cast<size_t>(layer)];
-    dst.insert(dst.end(), q, q + static_cast<size_t>(n_heads) * d);
-    n_heads_ = n_heads;
-    inner_.attend(layer, pos, q, n_heads, out);
-  }
-  const kvq::eval::Fp32Backend& inner() const { return inner_; }
-  const std::vector<float>& queries(int layer) const { return q_[static_cast<size_t>(layer)]; }
-  int n_heads() const { return n_heads_; }
-
- private:
-  kvq::eval::Fp32Backend inner_;
-  std::vector<std::vector<float>> q_;
-  int n_heads_ = 0;
-};
-
 /// The model's K, V and queries on the longest of the first 64 non-empty lines of the text.
-Input model_input(kvq::eval::Llama2cModel& model, const kvq::eval::Tokenizer& tok,
-                  const std::vector<std::string>& lines, const std::string& model_path,
+Input model_input(kvq_tools::EvalModel& model, const std::vector<std::string>& lines,
                   int n_queries) {
   std::vector<int> ids;
   size_t which = 0, seen = 0;
   for (size_t i = 0; i < lines.size() && seen < 64; ++i) {
     if (lines[i].empty()) continue;
     ++seen;
-    auto t = tok.encode(lines[i], true);
+    auto t = model.encode_line(lines[i]);  // cut to the model's evaluation length
     if (t.size() > ids.size()) {
       ids = std::move(t);
       which = i;
     }
   }
   KVQ_REQUIRE(ids.size() >= 2, kInvalidArgument, "kvq_compare: the text has no non-empty line");
-  const int seq_len = model.config().seq_len;
-  if (static_cast<int>(ids.size()) > seq_len) ids.resize(static_cast<size_t>(seq_len));
-  RecordingBackend be(model.kv_geometry());
-  be.reset();
-  std::vector<float> logits(static_cast<size_t>(model.config().vocab_size));
-  for (size_t p = 0; p < ids.size(); ++p) model.forward(ids[p], static_cast<int>(p), be, logits.data());
+  kvq_tools::RecordingBackend be(model.kv_geometry());
+  model.run(ids, be);
   Input in;
   const auto geo = model.kv_geometry();
   const int64_t T = static_cast<int64_t>(ids.size());
@@ -263,10 +234,11 @@ Input model_input(kvq::eval::Llama2cModel& model, const kvq::eval::Tokenizer& to
   }
   in.query_source = "the model's own queries (last " + std::to_string(in.layers[0].nq) +
                     " positions, causal)";
-  in.rope = [](float* x, const kvq::Shape& s) {  // llama2.c's RoPE
-    kvq::apply_rope_pairs(x, s.tokens, s.heads, s.head_dim, 0);
+  const kvq::RopeConfig rc = model.rope();
+  in.rope = [rc](float* x, const kvq::Shape& s) {  // the model's own RoPE
+    kvq::apply_rope_pairs(x, s.tokens, s.heads, s.head_dim, 0, rc);
   };
-  in.description = "model " + model_path + " (K/V of text line " + std::to_string(which + 1) +
+  in.description = "model " + model.path() + " (K/V of text line " + std::to_string(which + 1) +
                    "), " + std::to_string(geo.n_layers) + " layers x " + in.shape.str();
   return in;
 }
@@ -345,9 +317,11 @@ void usage(const char* argv0) {
                "                        a KV dump (.safetensors or directory of .npy files); the\n"
                "                        RoPE of its k_prerope keys (default adjacent, 10000)\n"
                "  --model M [--tokenizer T] [--text F] [--max-seqs N] [--no-perplexity]\n"
-               "                        a llama2.c model: tensor errors on its real K/V/Q, plus\n"
-               "                        perplexity and KL over F per scheme (tokenizer and text\n"
-               "                        default to %s/data/stories260K/)\n"
+               "                        a llama2.c model (with T) or a GGUF file (its own\n"
+               "                        tokenizer; 'smollm2' = ./kvq.sh model smollm2): tensor\n"
+               "                        errors on its real K/V/Q, plus perplexity and KL over F\n"
+               "                        per scheme (tokenizer and text default to\n"
+               "                        %s/data/stories260K/)\n"
                "  --queries N           query positions per layer (the last N, causal; default 16)\n"
                "Writes DIR/compare.{csv,json,svg} (DIR defaults to kvq_compare_out).\n",
                argv0, KVQ_SHARED_DIR);
@@ -452,16 +426,14 @@ int main(int argc, char** argv) {
   try {
     const auto t0 = std::chrono::steady_clock::now();
     Input in;
-    std::unique_ptr<kvq::eval::Llama2cModel> model;
-    std::unique_ptr<kvq::eval::Tokenizer> tok;
+    std::unique_ptr<kvq_tools::EvalModel> model;
     std::vector<std::string> lines;
     if (!dump_path.empty()) {
       in = dump_input(dump_path, n_queries, dump_rope);
     } else if (!model_path.empty()) {
-      model = std::make_unique<kvq::eval::Llama2cModel>(model_path);
-      tok = std::make_unique<kvq::eval::Tokenizer>(tok_path, model->config().vocab_size);
-      lines = kvq::eval::read_text_lines(text_path);
-      in = model_input(*model, *tok, lines, model_path, n_queries);
+      model = std::make_unique<kvq_tools::EvalModel>(model_path, tok_path);
+      lines = model->read_lines(text_path);
+      in = model_input(*model, lines, n_queries);
     } else {
       in = synthetic_input(spec);
     }
@@ -504,7 +476,7 @@ int main(int argc, char** argv) {
       kvq::eval::Fp32Backend ref(model->kv_geometry());
       kvq::eval::EvalOptions ropt = opt;
       ropt.record_trace = &trace;
-      const auto r0 = kvq::eval::evaluate_text(*model, *tok, ref, lines, ropt);
+      const auto r0 = model->evaluate(ref, lines, ropt);
       ref_ppl = r0.test.perplexity();
       ppl_tokens = r0.test.tokens;
       for (size_t si = 0; si < grid.size(); ++si) {
@@ -512,10 +484,10 @@ int main(int argc, char** argv) {
         kvq::Policy p;
         p.key = grid[si].k;
         p.value = grid[si].v;
-        kvq::CacheBackend be(p, model->kv_geometry(), grid[si].prerope);
+        kvq::CacheBackend be(p, model->kv_geometry(), grid[si].prerope, model->rope());
         kvq::eval::EvalOptions popt = opt;
         popt.reference_trace = &trace;
-        const auto r = kvq::eval::evaluate_text(*model, *tok, be, lines, popt);
+        const auto r = model->evaluate(be, lines, popt);
         rows[si].num.push_back({"perplexity", r.test.perplexity()});
         rows[si].num.push_back({"kl", r.mean_kl});
       }

@@ -1,19 +1,26 @@
 // kvq_make_dump: writes a KV dump (docs/dump-format.md) from kvq's synthetic generator or from
-// a real llama2.c model run over the first line of a text file, so kvq_quantize_dump and the
-// comparison can be tried without Python.
+// a real model run over one line of a text file (keys after and before RoPE, values, and the
+// model's queries), so kvq_quantize_dump and the comparison can be tried without Python.
 //
 //   kvq_make_dump --synthetic [--layers N --tokens T --kv-heads H --q-heads Q --head-dim D] OUT
-//   kvq_make_dump --model M --tokenizer T --text F [--line I] OUT
+//   kvq_make_dump --model M [--tokenizer T] [--text F] [--line I] OUT
+// M: a llama2.c checkpoint (with its tokenizer T) or a GGUF file (detected by magic; `smollm2`
+// names the one fetched by ./kvq.sh model smollm2). The text defaults to tinystories-dev.txt.
 // OUT ending in .safetensors writes one file; anything else writes a directory of .npy files.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "eval_model.hpp"
 #include "kvq/core/rows.hpp"
 #include "kvq/eval/llama2c.hpp"
 #include "kvq/eval/synthetic.hpp"
 #include "kvq/io/kv_dump.hpp"
+
+#ifndef KVQ_SHARED_DIR
+#define KVQ_SHARED_DIR "../shared"
+#endif
 
 namespace {
 int parse_pos(const std::string& flag, const char* v) {
@@ -33,7 +40,8 @@ kvq::io::Array arr(const float* p, int64_t t, int64_t h, int64_t d) {
 int main(int argc, char** argv) {
   kvq::eval::SyntheticSpec spec;
   bool synthetic = false;
-  std::string model, tok, text, out;
+  const std::string base = std::string(KVQ_SHARED_DIR) + "/data/stories260K/";
+  std::string model, tok = base + "tok512.bin", text = base + "tinystories-dev.txt", out;
   int line_index = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -65,7 +73,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: kvq_make_dump --synthetic [--layers N --tokens T --kv-heads H "
                  "--q-heads Q --head-dim D] OUT\n"
-                 "       kvq_make_dump --model M --tokenizer T --text F [--line I] OUT\n");
+                 "       kvq_make_dump --model M [--tokenizer T] [--text F] [--line I] OUT\n"
+                 "M: llama2.c checkpoint (with T), GGUF file, or smollm2 (./kvq.sh model smollm2)\n");
     return 2;
   }
   try {
@@ -80,29 +89,33 @@ int main(int argc, char** argv) {
         dump.layers.push_back(std::move(ly));
       }
     } else {
-      kvq::eval::Llama2cModel m(model);
-      kvq::eval::Tokenizer t(tok, m.config().vocab_size);
+      kvq_tools::EvalModel m(model, tok);
       std::vector<std::string> lines;
-      for (auto& l : kvq::eval::read_text_lines(text))
+      for (auto& l : m.read_lines(text))
         if (!l.empty()) lines.push_back(l);
       KVQ_REQUIRE(line_index < static_cast<int>(lines.size()), kInvalidArgument, "--line ",
                   line_index, " but ", text, " has ", lines.size(), " non-empty lines");
-      auto ids = t.encode(lines[static_cast<size_t>(line_index)], true);
-      if (static_cast<int>(ids.size()) > m.config().seq_len) ids.resize(static_cast<size_t>(m.config().seq_len));
-      kvq::eval::Fp32Backend be(m.kv_geometry());
-      be.reset();
-      std::vector<float> logits(static_cast<size_t>(m.config().vocab_size));
-      for (size_t p = 0; p < ids.size(); ++p) m.forward(ids[p], static_cast<int>(p), be, logits.data());
-      for (int l = 0; l < m.config().n_layers; ++l) {
+      const auto ids = m.encode_line(lines[static_cast<size_t>(line_index)]);
+      KVQ_REQUIRE(!ids.empty(), kInvalidArgument, "--line ", line_index, " has no tokens");
+      kvq_tools::RecordingBackend be(m.kv_geometry());
+      m.run(ids, be);
+      const auto geo = m.kv_geometry();
+      for (int l = 0; l < geo.n_layers; ++l) {
         auto copy = [&](kvq::KVView<const float> v) {
           return arr(kvq::to_float_nhd(v).data(), v.tokens(), v.heads(), v.head_dim());
         };
         kvq::io::KVDump::Layer ly;
-        ly.k = copy(be.keys(l));
-        ly.v = copy(be.values(l));
-        ly.k_prerope = copy(be.keys_prerope(l));
+        ly.k = copy(be.inner().keys(l));
+        ly.v = copy(be.inner().values(l));
+        ly.k_prerope = copy(be.inner().keys_prerope(l));
+        const auto& q = be.queries(l);
+        ly.q = arr(q.data(), static_cast<int64_t>(ids.size()), be.n_heads(), geo.head_dim);
         dump.layers.push_back(std::move(ly));
       }
+      std::printf("model: %s; RoPE theta %g, %s pairs (pass --rope-theta/--rope-style to "
+                  "kvq_compare --dump)\n",
+                  m.describe().c_str(), m.rope().theta,
+                  m.rope().style == kvq::RopeStyle::kAdjacent ? "adjacent" : "half");
     }
     const bool st = out.size() > 12 && out.substr(out.size() - 12) == ".safetensors";
     kvq::io::save_kv_dump(out, dump,

@@ -16,6 +16,14 @@
 /// split by output rows over the machine's cores (std::thread), and the attention of each
 /// token goes through the backend in order (append then attend, position by position, per
 /// layer — the KVBackend contract).
+// GCC 12 reports false -Wuninitialized / -Wmaybe-uninitialized inside its AVX-512 intrinsic
+// headers when Eigen's GEMM kernels are instantiated with -march=native; silence them for this
+// header only.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <Eigen/Core>
 
 #include <algorithm>
@@ -465,3 +473,7 @@ inline EvalResult evaluate_text(LlamaGgufModel& model, const BpeTokenizer& token
 }
 
 }  // namespace kvq::eval
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
