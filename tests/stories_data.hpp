@@ -22,13 +22,23 @@
 
 namespace kvq_test {
 
-inline std::string shared_dir() {
+/// The compiled-in default of the shared data directory: the CMake cache variable
+/// KVQ_SHARED_DIR (defaults to <source>/../shared), else "../shared".
+inline std::string compiled_shared_dir() {
 #ifdef KVQ_SHARED_DIR
   return KVQ_SHARED_DIR;
 #else
-  if (const char* e = std::getenv("KVQ_SHARED_DIR")) return e;
   return "../shared";
 #endif
+}
+
+/// The shared data directory: the KVQ_SHARED_DIR environment variable when set and non-empty
+/// (a run-time override, e.g. for an installed test binary or data kept elsewhere), else the
+/// compiled-in default.
+inline std::string shared_dir() {
+  const char* e = std::getenv("KVQ_SHARED_DIR");
+  if (e != nullptr && *e != '\0') return e;
+  return compiled_shared_dir();
 }
 
 inline std::string stories_dir() { return shared_dir() + "/data/stories260K"; }
@@ -42,8 +52,14 @@ inline bool file_exists(const std::string& p) { return std::ifstream(p, std::ios
 inline std::string missing_data() {
   for (const std::string& p : {model_path(), tokenizer_path(), text_path()}) {
     if (!file_exists(p)) {
-      return "shared data file '" + p +
-             "' not found (set KVQ_SHARED_DIR to the directory holding data/stories260K)";
+      const char* e = std::getenv("KVQ_SHARED_DIR");
+      const bool from_env = e != nullptr && *e != '\0';
+      return "shared data file '" + p + "' not found (shared data directory '" + shared_dir() +
+             "', from " +
+             (from_env ? "the KVQ_SHARED_DIR environment variable"
+                       : "the compiled-in default, CMake option KVQ_SHARED_DIR") +
+             "; set the KVQ_SHARED_DIR environment variable at run time, or configure with "
+             "-DKVQ_SHARED_DIR=<dir>, to the directory holding data/stories260K)";
     }
   }
   return "";

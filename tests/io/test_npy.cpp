@@ -566,7 +566,10 @@ TEST(NpyFuzz, EveryTruncationOfAValidFileThrows) {
   for (size_t n = 0; n < f.size(); ++n) {
     EXPECT_IO_ERROR(read_npy_bytes(f.data(), n, {}, "cut.npy"), "cut.npy");
   }
-  EXPECT_NO_THROW(read_npy_bytes(f.data(), f.size(), {}, "cut.npy"));
+  const Array whole = read_npy_bytes(f.data(), f.size(), {}, "cut.npy");
+  EXPECT_EQ(whole.dtype, DType::kF32);
+  EXPECT_EQ(whole.shape, (std::vector<int64_t>{2, 5}));
+  EXPECT_EQ(whole.to_float(), iota(10));
 }
 
 }  // namespace

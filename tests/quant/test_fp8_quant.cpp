@@ -117,8 +117,15 @@ TEST(Fp8Quant, Fp16ScaleOverflowIsAnError) {
   EXPECT_THROW(kvq::quantize(fcfg(Format::kE4M3, Axis::kToken, 0, kvq::MetaDType::kF16),
                              KVView<const float>(data.data(), s)),
                kvq::Error);
-  EXPECT_NO_THROW(kvq::quantize(fcfg(Format::kE4M3, Axis::kToken, 0, kvq::MetaDType::kF32),
-                                KVView<const float>(data.data(), s)));
+  // f32 metadata holds the scale: every value is the group's amax, so code +448 (0x7E), scale
+  // 1e9 / 448, and the reconstruction is 1e9 to float precision.
+  const auto q = kvq::quantize(fcfg(Format::kE4M3, Axis::kToken, 0, kvq::MetaDType::kF32),
+                               KVView<const float>(data.data(), s));
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(q.codes[i], 0x7E) << i;
+  EXPECT_FLOAT_EQ(q.scales.get(0), 1e9f / 448.f);
+  std::vector<float> back(16);
+  kvq::dequantize(q, KVView<float>(back.data(), s));
+  for (float v : back) EXPECT_NEAR(v, 1e9f, 1e9f * 1e-6f);
 }
 
 }  // namespace

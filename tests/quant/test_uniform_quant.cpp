@@ -225,8 +225,19 @@ TEST(Uniform, GroupMustDivideExtent) {
   EXPECT_THROW(kvq::quantize(int_cfg(4, false, Axis::kToken, -1), x), kvq::Error);
   EXPECT_THROW(kvq::quantize(int_cfg(5, false, Axis::kToken, 32), x), kvq::Error);
   EXPECT_THROW(kvq::quantize(int_cfg(1, false, Axis::kToken, 32), x), kvq::Error);
-  // a group larger than the extent is clamped to the whole extent
-  EXPECT_NO_THROW(kvq::quantize(int_cfg(4, false, Axis::kToken, 256), x));
+  // a group larger than the extent is clamped to the whole extent: the same tensor as a group
+  // of exactly head_dim (64), bytes and reconstruction alike
+  const auto xs = kvq_test::kv_data(s, 7, true);
+  const KVView<const float> xv(xs.data(), s);
+  const auto big = kvq::quantize(int_cfg(4, false, Axis::kToken, 256), xv);
+  const auto whole = kvq::quantize(int_cfg(4, false, Axis::kToken, 64), xv);
+  EXPECT_EQ(big.bytes(), whole.bytes());
+  EXPECT_EQ(big.bytes(), kvq::account(int_cfg(4, false, Axis::kToken, 64), s).total());
+  std::vector<float> a(xs.size()), b(xs.size());
+  kvq::dequantize(big, KVView<float>(a.data(), s));
+  kvq::dequantize(whole, KVView<float>(b.data(), s));
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+  EXPECT_LT(kvq_test::rel_mse(xs, a), 0.05);  // a real 4-bit reconstruction, not zeros
 }
 
 TEST(Uniform, EmptyTensors) {
