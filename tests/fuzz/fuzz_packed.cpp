@@ -7,13 +7,13 @@
 ///   0 format (mod 7)     1 bits selector          2 flags: bit0 symmetric, bit1 f32 meta,
 ///   3 group selector     4 tokens - 1 (mod 8)          bit2 qjl, bits 3-4 axis
 ///   5 heads - 1 (mod 2)  6 head_dim selector      7 seed selector   8 output kind
-/// The config and shape are validated as kvq validates them (validate_config, the group box,
-/// the Hadamard size for Lloyd-Max); every buffer is sized by the accountant (account()) and
-/// filled from the payload (zeros once it runs out). Then:
+/// The config and shape are validated as kvq validates them (validate_config, packed_sizes,
+/// the Hadamard size for Lloyd-Max); every buffer is sized by size_for() (checked against the
+/// accountant) and filled from the payload (zeros once it runs out). Then:
 ///   - int and fp8 decode bit-identically to the scalar reference oracles (reference/);
 ///   - raw formats decode to the stored values;
-///   - fp16 and bf16 outputs equal the f32 output rounded, and a strided (HND) output equals
-///     the contiguous one;
+///   - fp16 and bf16 outputs equal the f32 output rounded, a strided (HND) output equals the
+///     contiguous one, and a token range decoded alone (dequantize_tokens) equals its rows;
 ///   - the output is finite wherever the format guarantees it: finite metadata (fp16, or f32
 ///     below 1e15 so that no product can overflow) and, for fp8, codes that are not the
 ///     NaN/Inf encodings; for raw formats, finite stored values.
@@ -75,13 +75,6 @@ bool raw_codes_finite(const kvq::QTensor& q) {
   return true;
 }
 
-void fill_meta(kvq::MetaBuffer& m, kvq::MetaDType dt, std::size_t bytes,
-               kvq::fuzz::ByteReader& in) {
-  const std::size_t n = bytes / static_cast<std::size_t>(kvq::meta_size(dt));
-  m.reset(dt, n);
-  if (n) in.fill(m.data_at(0), bytes);
-}
-
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -117,30 +110,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   try {  // validation, as kvq does it before it stores or reads a block
     kvq::validate_config(c, "fuzzed", true);
+    (void)kvq::packed_sizes(c, s);  // bits, group box, sizes
     if (c.format == kvq::Format::kLloydMax) kvq::detail::check_lloyd_max(c, s);
-    if (!c.is_raw() && c.format != kvq::Format::kLloydMax) (void)kvq::group_box(c.axis, c.group, s);
   } catch (const kvq::Error&) {
     return 0;
   }
 
-  // Buffers sized exactly as the accountant says a block of (c, s) is stored.
-  const kvq::ByteBreakdown b = kvq::account(c, s);
+  // Buffers sized exactly as kvq sizes a block of (c, s), filled from the payload.
   kvq::QTensor q;
-  q.config = c;
-  q.shape = s;
-  q.codes.resize(b.codes);
+  kvq::size_for(q, c, s);
   in.fill(q.codes.data(), q.codes.size());
-  fill_meta(q.scales, c.meta, b.scales, in);
-  fill_meta(q.zeros, c.meta, b.zeros, in);
-  fill_meta(q.norms, c.meta, b.norms, in);
-  if (c.qjl) {
-    const std::size_t sign_bytes = kvq::packed_bytes(static_cast<std::size_t>(s.numel()), 1);
-    q.qjl_signs.resize(sign_bytes);
-    in.fill(q.qjl_signs.data(), sign_bytes);
-    fill_meta(q.qjl_norms, c.meta, b.residual - sign_bytes, in);
-  } else {
-    q.qjl_norms.reset(c.meta, 0);
-  }
+  in.fill(q.scales.data(), q.scales.bytes());
+  in.fill(q.zeros.data(), q.zeros.bytes());
+  in.fill(q.norms.data(), q.norms.bytes());
+  in.fill(q.qjl_signs.data(), q.qjl_signs.size());
+  in.fill(q.qjl_norms.data(), q.qjl_norms.bytes());
+  KVQ_FUZZ_CHECK(q.breakdown() == kvq::account(c, s));
 
   const std::size_t n = static_cast<std::size_t>(s.numel());
   std::vector<float> out(n);
@@ -208,6 +193,20 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     default:
       break;
+  }
+
+  // A token range [t0, t1) decoded on its own (what paged and range reads do) equals those
+  // rows of the whole decode.
+  {
+    const int64_t t0 = (out_kind >> 2) % s.tokens;
+    const int64_t t1 = t0 + 1 + (out_kind >> 5) % (s.tokens - t0);
+    const int64_t row = s.heads * s.head_dim;
+    std::vector<float> part(static_cast<std::size_t>((t1 - t0) * row));
+    kvq::QuantWorkspace ws;
+    kvq::dequantize_tokens(kvq::view_of(q), t0,
+                           kvq::KVView<float>::nhd(part.data(), t1 - t0, s.heads, s.head_dim), ws);
+    for (std::size_t i = 0; i < part.size(); ++i)
+      KVQ_FUZZ_CHECK(same_float(part[i], out[static_cast<std::size_t>(t0 * row) + i]));
   }
 
   // Finiteness where the format guarantees it.
