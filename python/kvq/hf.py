@@ -1,0 +1,241 @@
+"""Hugging Face transformers adapter: a KV cache stored by kvq under any kvq policy.
+
+``KvqCache`` is a ``transformers.Cache`` in the style of transformers' ``QuantizedCache``: the
+newest tokens (the policy's ``residual`` window, or ``residual_length``) stay in full precision
+(float32), older tokens live packed in kvq's streaming cache under the policy's key and value
+formats (``k8v4``, ``kivi2``, ``k=int4/channel/g32,v=int4/token/g32``, ...). Every layer holds
+one ``kvq.KVCache`` per batch row; ``update`` appends the new states and returns the cache's
+contents (what attention then reads is exactly what kvq stores). Unlike ``QuantizedCache``, the
+window is not re-quantized wholesale when it fills: kvq packs whole blocks as they leave it.
+
+Needs torch and transformers >= 4.56 (the layered Cache API); importing ``kvq.hf`` without them
+raises ImportError. Tested with torch 2.15.0 and transformers 5.24.0 (see docs/python.md).
+
+    from kvq.hf import KvqCache
+    cache = KvqCache("k8v4", model.config)
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=64)
+    print(cache.nbytes, cache.effective_bits())
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, Sequence, Union
+
+try:
+    import torch
+    from transformers.cache_utils import Cache, DynamicLayer
+except ImportError as _e:  # pragma: no cover - exercised only without the packages
+    raise ImportError(
+        "kvq.hf needs torch and transformers >= 4.56 (the layered Cache API): "
+        "pip install torch transformers"
+    ) from _e
+
+import kvq
+
+__all__ = ["KvqCache", "KvqLayer", "dynamic_cache_nbytes"]
+
+_KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _with_residual(policy: kvq.Policy, residual: int) -> kvq.Policy:
+    """The policy with its full-precision window set to `residual` tokens."""
+    if not isinstance(residual, int) or residual < 0:
+        raise ValueError(f"kvq.hf: residual_length must be an int >= 0, got {residual!r}")
+    spec = re.sub(r"(^|,)residual=\d+(,|$)", rf"\g<1>residual={residual}\g<2>", policy.spec, count=1)
+    return kvq.parse_policy(spec)
+
+
+def _layer_policy(policy: kvq.Policy, layer: int, n_layers: int) -> kvq.Policy:
+    """The one-layer policy of `layer`: its key/value configs (skip and overrides resolved)."""
+    k = policy.key_for(layer, n_layers)
+    v = policy.value_for(layer, n_layers)
+    return kvq.parse_policy(
+        f"k={k.spec},v={v.spec},residual={policy.residual},sinks={policy.sinks}"
+    )
+
+
+def _kv_input(t: torch.Tensor) -> torch.Tensor:
+    """A CPU, gradient-free tensor in a dtype kvq reads (float32/float16/bfloat16)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype not in _KV_DTYPES:
+        t = t.float()
+    return t
+
+
+class KvqLayer(DynamicLayer):
+    """One attention layer's cache: a ``kvq.KVCache`` (one layer) per batch row.
+
+    States are ``[batch, kv_heads, seq, head_dim]`` as transformers passes them; kvq stores each
+    row as ``[seq, kv_heads, head_dim]`` (a strided view, no copy before kvq reads it).
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, policy: kvq.Policy):
+        super().__init__()
+        self.policy = policy
+        self._rows: list[kvq.KVCache] = []
+
+    # -- transformers' layer protocol -------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, kv_heads, _, head_dim = key_states.shape
+        self._rows = [kvq.KVCache(self.policy, 1, kv_heads, head_dim) for _ in range(batch)]
+        # Placeholders: transformers' generic code may look at .keys/.values; the data is in kvq.
+        self.keys = torch.tensor([], dtype=self.dtype, device=self.device)
+        self.values = torch.tensor([], dtype=self.dtype, device=self.device)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.dim() != 4 or key_states.shape != value_states.shape:
+            raise ValueError(
+                "kvq.hf: key and value states must both be [batch, kv_heads, seq, head_dim], got "
+                f"{tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
+        if key_states.shape[0] != len(self._rows):
+            raise ValueError(
+                f"kvq.hf: batch size changed from {len(self._rows)} to {key_states.shape[0]} "
+                "(use batch_select_indices / batch_repeat_interleave)"
+            )
+        k, v = _kv_input(key_states), _kv_input(value_states)
+        keys, values = [], []
+        for b, row in enumerate(self._rows):
+            row.append(0, k[b].transpose(0, 1), v[b].transpose(0, 1))
+            kk, vv = row.read(0)
+            keys.append(torch.from_numpy(kk))
+            values.append(torch.from_numpy(vv))
+        out_k = torch.stack(keys).transpose(1, 2).to(dtype=key_states.dtype, device=key_states.device)
+        out_v = torch.stack(values).transpose(1, 2).to(dtype=value_states.dtype, device=value_states.device)
+        return out_k, out_v
+
+    def get_seq_length(self) -> int:
+        return self._rows[0].tokens(0) if self.is_initialized and self._rows else 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        for row in self._rows:
+            row.clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Negative: drop that many newest tokens; positive (older transformers): keep that many."""
+        if not self.is_initialized:
+            return
+        n = self.get_seq_length()
+        keep = n + tokens_to_remove if tokens_to_remove < 0 else min(n, tokens_to_remove)
+        keep = max(0, keep)
+        for row in self._rows:
+            row.truncate(keep)
+
+    def _select(self, indices: Sequence[int]) -> None:
+        used: set[int] = set()
+        rows = []
+        for i in indices:
+            i = int(i)
+            rows.append(self._rows[i] if i not in used else self._rows[i].copy())
+            used.add(i)
+        self._rows = rows
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._select(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select([b for b in range(len(self._rows)) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._select(torch.as_tensor(indices).tolist())
+
+    def offload(self) -> None:  # kvq's data already lives in host memory
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    # -- kvq ----------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes kvq stores for this layer (codes, metadata, full-precision windows)."""
+        return sum(row.nbytes for row in self._rows)
+
+    def memory_reports(self) -> list[kvq.MemoryReport]:
+        return [row.memory_report() for row in self._rows]
+
+
+class KvqCache(Cache):
+    """A transformers ``Cache`` whose layers are stored by kvq under `policy`.
+
+    Args:
+        policy: a kvq policy spec ("k8v4", "kivi2", "k=int4/channel/g32,v=int4/token/g32") or a
+            ``kvq.Policy``. Its skip/skipas/k@L/v@L fields pick each layer's formats.
+        config: the model's config (``model.config``); gives the number of layers. Or pass
+            ``num_hidden_layers``.
+        residual_length: newest tokens kept in full precision (overrides the policy's
+            ``residual``; None keeps it).
+    """
+
+    def __init__(
+        self,
+        policy: Union[str, kvq.Policy] = "k8v4",
+        config: Optional[Any] = None,
+        num_hidden_layers: Optional[int] = None,
+        residual_length: Optional[int] = None,
+    ):
+        pol = policy if isinstance(policy, kvq.Policy) else kvq.parse_policy(policy)
+        if residual_length is not None:
+            pol = _with_residual(pol, residual_length)
+        if config is not None:
+            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            layer_types = getattr(text, "layer_types", None) or []
+            bad = sorted(set(layer_types) - {"full_attention"})
+            if bad:
+                raise ValueError(
+                    f"kvq.hf.KvqCache supports full-attention layers only; the model also has {bad}"
+                )
+            n_layers = int(text.num_hidden_layers)
+        elif num_hidden_layers is not None:
+            n_layers = int(num_hidden_layers)
+        else:
+            raise ValueError("kvq.hf.KvqCache needs the model config or num_hidden_layers")
+        if n_layers <= 0:
+            raise ValueError(f"kvq.hf.KvqCache: num_hidden_layers must be > 0, got {n_layers}")
+        self.policy = pol
+        super().__init__(layers=[KvqLayer(_layer_policy(pol, i, n_layers)) for i in range(n_layers)])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kvq stores over all layers and batch rows (data; bookkeeping excluded)."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def elements(self) -> int:
+        """Key and value elements held (2 x tokens x kv_heads x head_dim, summed)."""
+        return sum(
+            rep.elements for layer in self.layers for rep in layer.memory_reports()
+        )
+
+    def effective_bits(self) -> float:
+        """8 x nbytes / elements: bits per cached value, metadata and f32 window included."""
+        n = self.elements()
+        return 8.0 * self.nbytes / n if n else 0.0
+
+
+def dynamic_cache_nbytes(cache: Cache) -> int:
+    """Bytes of the key/value tensors of a transformers cache that holds them as tensors
+    (e.g. the default DynamicCache), for comparison with ``KvqCache.nbytes``."""
+    total = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
