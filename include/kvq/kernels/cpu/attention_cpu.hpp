@@ -1,0 +1,1093 @@
+#pragma once
+/// \file attention_cpu.hpp
+/// Fused CPU attention straight from packed KV: decode (one query per head) and chunked
+/// prefill (n_q causal queries at the newest positions) over a sequence of segments — f32 rows
+/// (sinks, residual window) and packed views (PackedView: a KVCache block, a page of the paged
+/// layout, or a page an engine allocated). Only the segments are read, never QTensor or cache
+/// internals, so the same kernels run on every storage.
+///
+/// Design (why it is fast):
+///  - Keys are scored from their codes. Per-channel int keys fold the block's scales into the
+///    query (q'_d = q_d s_d, once per token block) and add q.zero once per block; per-token
+///    scales with one group per row (fp8 per head, int group 0) scale the dot product once per
+///    row (plus zero * sum(q)); per-token groups narrower than the row dequantize 16 codes in a
+///    register with one FMA shared by all query heads of the GQA group; Lloyd-Max keys are
+///    scored against centroids with the query rotated once (q.k = (Rq).(Rk)), QJL adding
+///    norm * c * (S Rq).sign; f32/f16/bf16 are read directly. No float key tensor is ever
+///    written to memory (pre-RoPE keys are the exception: each row is decoded into one
+///    L1-resident row, rotated at its position, then scored).
+///  - Values are accumulated from their codes: a row scale multiplies the softmax weight
+///    (w = p s) and zero points accumulate as one scalar per row; Lloyd-Max values accumulate
+///    in the rotated domain (w = p * norm) and are rotated back once per work unit.
+///  - fp32 online softmax per 64-token tile; all query heads of a GQA group (and all queries of
+///    a prefill block) are processed in one pass over each tile, so K/V bytes are read once per
+///    group.
+///  - Long contexts are split into fixed chunks of `split_tokens` processed independently and
+///    merged in chunk order (flash-decoding); the split does not depend on the thread count,
+///    and every chunk is computed by the same code whichever thread runs it, so the result is
+///    bit-identical for any number of threads.
+/// Three instruction sets share this code (kernels/cpu/attention_simd.hpp): AVX-512 when
+/// head_dim is a multiple of 16, AVX2 when a multiple of 8, else (and under KVQ_NO_SIMD) scalar.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "kvq/cache/kv_cache.hpp"
+#include "kvq/core/bitpack.hpp"
+#include "kvq/core/error.hpp"
+#include "kvq/core/rope.hpp"
+#include "kvq/core/rows.hpp"
+#include "kvq/core/tensor.hpp"
+#include "kvq/geometry/grouping.hpp"
+#include "kvq/kernels/cpu/attention_simd.hpp"
+#include "kvq/kernels/cpu/uniform_cpu.hpp"
+#include "kvq/quant/lloyd_max_quant.hpp"
+#include "kvq/quant/packed_view.hpp"
+
+namespace kvq {
+
+/// Runs body(0) .. body(n - 1), possibly in parallel, and returns when all are done (a
+/// caller's thread pool). Each index is one worker of the attention call.
+using ParallelFor = std::function<void(int64_t n, const std::function<void(int64_t)>& body)>;
+
+/// How an attention call splits its work.
+struct AttentionOptions {
+  /// Workers (1 = the calling thread only). With no parallel_for, threads - 1 std::threads are
+  /// started per call.
+  int threads = 1;
+  /// Tokens per independently processed chunk (flash-decoding split); 0 = 4096. Results depend
+  /// on the split (floating-point order), never on `threads`.
+  int64_t split_tokens = 0;
+  /// Caller-supplied parallel-for (optional).
+  ParallelFor parallel_for;
+};
+
+namespace kernels {
+namespace attn {
+
+constexpr int64_t kTile = 64;            ///< tokens per softmax tile
+constexpr int64_t kDefaultSplit = 4096;  ///< tokens per chunk when split_tokens == 0
+constexpr int64_t kQueryBlock = 16;      ///< queries per work unit (prefill)
+
+enum class Load : uint8_t { kF32, kF16, kBF16, kU8, kU4, kU2, kE4M3, kE5M2, kLut8, kLut4 };
+enum class Scale : uint8_t {
+  kRow,      ///< one (scale, zero) per row: raw formats (1, 0), fp8/int with gc == head_dim, lm
+  kGroup,    ///< token axis, groups of gc channels, gc a multiple of the vector width
+  kExpand,   ///< token axis, other group widths: per-row scale vectors expanded per channel
+  kChannel,  ///< channel axis: per-channel scales shared by a block of gt tokens
+};
+
+/// How one segment's keys or values are read.
+struct Stream {
+  bool packed = false;
+  // f32 rows (sinks / residual)
+  KVView<const float> rows;
+  // packed
+  PackedView view;
+  GroupBox box;
+  Load load = Load::kF32;
+  Scale scale = Scale::kRow;
+  bool unpack = false;  ///< codes are unpacked per row into bytes (odd widths, scalar path)
+  bool lm = false, qjl = false, zeros = false, raw = false;
+  int bits = 32;
+  float off = 0.f, mul = 1.f;
+  const detail::LloydMaxContext* ctx = nullptr;
+  float lut[16] = {};
+};
+
+/// Per-worker scratch (reused; sized on first use).
+struct Scratch {
+  std::vector<float> s;         // [rows, kTile] scores, then softmax weights
+  std::vector<float> w;         // [rows, kTile] value weights
+  std::vector<float> m, l;      // [H, rows] running max and sum
+  std::vector<float> acc;       // [H, rows, D]
+  std::vector<float> acc_rot;   // [H, rows, D] Lloyd-Max values, rotated domain
+  std::vector<float> sacc;      // [H, rows, D] QJL value sign sums
+  std::vector<float> sconst;    // [H, rows]
+  std::vector<float> zacc;      // [rows] value zero terms of one tile
+  std::vector<uint8_t> ku, vu;  // [kTile, D] unpacked codes
+  std::vector<uint8_t> ksg, vsg;  // [kTile, D] QJL sign bits
+  std::vector<const uint8_t*> krp, vrp;  // [kTile] row pointers
+  std::vector<float> kms, kmz, vms, vmz;  // tile metadata
+  std::vector<float> kq, vq;    // [kTile] QJL factors
+  std::vector<float> qf, qz;    // [rows, D], [rows] channel-folded queries
+  std::vector<float> krow;      // [kTile, D] decoded (pre-RoPE) key rows
+  std::vector<float> rc, rs;    // [D/2] RoPE cos/sin of one position
+  std::vector<float> tmp;       // [max(D, rows)]
+};
+
+/// Everything an attention call keeps between calls.
+struct Workspace {
+  std::vector<CacheSegment> segs;
+  std::vector<Stream> ks, vs;
+  std::vector<float> qs;      // [H, nq*G, D] queries / sqrt(D)
+  std::vector<float> qsum;    // [H, nq*G]
+  std::vector<float> qrot;    // [H, nq*G, D] rotated queries (Lloyd-Max keys)
+  std::vector<float> sq;      // [H, nq*G, D] S R q (QJL keys)
+  std::vector<float> sqsum;   // [H, nq*G]
+  std::vector<double> inv_freq;  // [D/2] RoPE
+  std::vector<float> um, ul, uacc;  // per work unit results
+  std::vector<float> out_row;
+  std::vector<Scratch> scratch;
+};
+
+/// Problem geometry of one call.
+struct Problem {
+  int64_t T = 0, H = 0, D = 0, nq = 0, nh = 0, G = 0;
+  bool causal = true;
+  const RopeConfig* rope = nullptr;
+  int64_t split = kDefaultSplit, nchunks = 0, nqb = 0;
+  const detail::LloydMaxContext* k_ctx = nullptr;  // Lloyd-Max keys (query rotation)
+  const detail::LloydMaxContext* v_ctx = nullptr;  // Lloyd-Max values (output rotation)
+  bool k_qjl = false;
+  uint64_t k_seed = 0, v_seed = 0;
+};
+
+inline int64_t rows_of_block(const Problem& P, int64_t qb) {
+  const int64_t i0 = qb * kQueryBlock;
+  return (std::min(P.nq, i0 + kQueryBlock) - i0) * P.G;
+}
+
+template <class S, Load L>
+inline typename S::V load_chunk(const uint8_t* row, int64_t j, const float* lut) {
+  constexpr int W = S::W;
+  if constexpr (W == 1 && (L == Load::kF32 || L == Load::kF16 || L == Load::kBF16)) {
+    if constexpr (L == Load::kF32) {
+      float f;
+      std::memcpy(&f, row + 4 * j, 4);
+      return f;
+    } else {
+      uint16_t h;
+      std::memcpy(&h, row + 2 * j, 2);
+      return L == Load::kF16 ? S::from_f16(&h) : S::from_bf16(&h);
+    }
+  } else if constexpr (L == Load::kF32) {
+    return S::load(reinterpret_cast<const float*>(row) + j * W);
+  } else if constexpr (L == Load::kF16) {
+    return S::from_f16(reinterpret_cast<const uint16_t*>(row) + j * W);
+  } else if constexpr (L == Load::kBF16) {
+    return S::from_bf16(reinterpret_cast<const uint16_t*>(row) + j * W);
+  } else if constexpr (L == Load::kU8) {
+    return S::cvt(S::codes_u8(row + j * W));
+  } else if constexpr (L == Load::kE4M3) {
+    return S::from_e4m3(row + j * W);
+  } else if constexpr (L == Load::kE5M2) {
+    return S::from_e5m2(row + j * W);
+  } else if constexpr (L == Load::kLut8) {
+    return S::lut(S::codes_u8(row + j * W), lut);
+  } else if constexpr (W >= 4) {
+    if constexpr (L == Load::kU4) return S::cvt(S::codes_u4(row + j * W / 2));
+    if constexpr (L == Load::kU2) return S::cvt(S::codes_u2(row + j * W / 4));
+    if constexpr (L == Load::kLut4) return S::lut(S::codes_u4(row + j * W / 2), lut);
+  }
+  return S::zero();  // unreachable: the stream setup never picks these for narrow vectors
+}
+
+/// out[r] = sum_j q[r, j] * kl(j) for n rows of q (stride qs), nj vector chunks.
+template <class S, int RB, class KL>
+inline void dot_block(const KL& kl, int64_t nj, const float* q, int64_t qs, float* out) {
+  using V = typename S::V;
+  V a[RB];
+  for (int r = 0; r < RB; ++r) a[r] = S::zero();
+  for (int64_t j = 0; j < nj; ++j) {
+    const V k = kl(j);
+    for (int r = 0; r < RB; ++r) a[r] = S::fma(S::load(q + r * qs + j * S::W), k, a[r]);
+  }
+  if constexpr (RB % 4 == 0) {
+    for (int r = 0; r < RB; r += 4) S::reduce4(a[r], a[r + 1], a[r + 2], a[r + 3], out + r);
+  } else {
+    for (int r = 0; r < RB; ++r) out[r] = S::reduce(a[r]);
+  }
+}
+
+template <class S, class KL>
+inline void dot_rows(const KL& kl, int64_t nj, const float* q, int64_t qs, int64_t n,
+                     float* out, int64_t out_stride) {
+  float tmp[8];
+  int64_t r = 0;
+  auto put = [&](int cnt) {
+    for (int k = 0; k < cnt; ++k) out[(r + k) * out_stride] = tmp[k];
+  };
+  for (; r + 8 <= n; r += 8) {
+    dot_block<S, 8>(kl, nj, q + r * qs, qs, tmp);
+    put(8);
+  }
+  if (r + 4 <= n) {
+    dot_block<S, 4>(kl, nj, q + r * qs, qs, tmp);
+    put(4);
+    r += 4;
+  }
+  if (r + 2 <= n) {
+    dot_block<S, 2>(kl, nj, q + r * qs, qs, tmp);
+    put(2);
+    r += 2;
+  }
+  if (r < n) {
+    dot_block<S, 1>(kl, nj, q + r * qs, qs, tmp);
+    put(1);
+  }
+}
+
+/// acc[r, :] += sum_t w[r, t] * vl(t, j) for n rows (acc stride D, w stride kTile).
+template <class S, int RB, class VL>
+inline void axpy_block(const VL& vl, int64_t nt, int64_t nj, const float* w, float* acc,
+                       int64_t D) {
+  using V = typename S::V;
+  for (int64_t j = 0; j < nj; ++j) {
+    V a[RB];
+    for (int r = 0; r < RB; ++r) a[r] = S::load(acc + r * D + j * S::W);
+    for (int64_t t = 0; t < nt; ++t) {
+      const V v = vl(t, j);
+      for (int r = 0; r < RB; ++r) a[r] = S::fma(S::set1(w[r * kTile + t]), v, a[r]);
+    }
+    for (int r = 0; r < RB; ++r) S::store(acc + r * D + j * S::W, a[r]);
+  }
+}
+
+template <class S, class VL>
+inline void axpy_rows(const VL& vl, int64_t nt, int64_t nj, const float* w, float* acc,
+                      int64_t D, int64_t n) {
+  int64_t r = 0;
+  for (; r + 8 <= n; r += 8) axpy_block<S, 8>(vl, nt, nj, w + r * kTile, acc + r * D, D);
+  if (r + 4 <= n) {
+    axpy_block<S, 4>(vl, nt, nj, w + r * kTile, acc + r * D, D);
+    r += 4;
+  }
+  if (r + 2 <= n) {
+    axpy_block<S, 2>(vl, nt, nj, w + r * kTile, acc + r * D, D);
+    r += 2;
+  }
+  if (r < n) axpy_block<S, 1>(vl, nt, nj, w + r * kTile, acc + r * D, D);
+}
+
+/// Dispatches a run-time Load to a compile-time one.
+template <class F>
+inline void with_load(Load l, F&& f) {
+  switch (l) {
+    case Load::kF32: return f(std::integral_constant<Load, Load::kF32>());
+    case Load::kF16: return f(std::integral_constant<Load, Load::kF16>());
+    case Load::kBF16: return f(std::integral_constant<Load, Load::kBF16>());
+    case Load::kU8: return f(std::integral_constant<Load, Load::kU8>());
+    case Load::kU4: return f(std::integral_constant<Load, Load::kU4>());
+    case Load::kU2: return f(std::integral_constant<Load, Load::kU2>());
+    case Load::kE4M3: return f(std::integral_constant<Load, Load::kE4M3>());
+    case Load::kE5M2: return f(std::integral_constant<Load, Load::kE5M2>());
+    case Load::kLut8: return f(std::integral_constant<Load, Load::kLut8>());
+    case Load::kLut4: return f(std::integral_constant<Load, Load::kLut4>());
+  }
+}
+
+/// Sets up how a packed view is read with vector width W.
+inline void setup_packed(Stream& st, const PackedView& v, int W) {
+  st.packed = true;
+  st.view = v;
+  const QuantConfig& c = v.config;
+  const int64_t D = v.shape.head_dim;
+  st.box = group_box(c.axis, c.group, v.shape);
+  st.scale = Scale::kRow;
+  st.mul = 1.f;
+  st.off = 0.f;
+  st.lm = st.qjl = st.zeros = st.unpack = false;
+  st.raw = c.is_raw();
+  st.ctx = nullptr;
+  switch (c.format) {
+    case Format::kF32: st.load = Load::kF32; st.bits = 32; return;
+    case Format::kF16: st.load = Load::kF16; st.bits = 16; return;
+    case Format::kBF16: st.load = Load::kBF16; st.bits = 16; return;
+    case Format::kE4M3:
+    case Format::kE5M2:
+      st.bits = 8;
+      st.load = c.format == Format::kE4M3 ? Load::kE4M3 : Load::kE5M2;
+      st.mul = c.format == Format::kE4M3 ? 256.f : 1.f;
+      break;
+    case Format::kInt:
+      st.bits = c.bits;
+      st.off = uniform_levels(c.bits, c.symmetric).off;
+      st.zeros = !c.symmetric;
+      break;
+    case Format::kLloydMax: {
+      st.bits = c.bits;
+      st.lm = true;
+      st.qjl = c.qjl;
+      st.ctx = &detail::lloyd_max_context(static_cast<int>(D), c.bits, c.seed);
+      const auto& cent = st.ctx->codebook->centroids;
+      for (int k = 0; k < 16; ++k)
+        st.lut[k] = k < static_cast<int>(cent.size()) ? cent[static_cast<std::size_t>(k)] : 0.f;
+      break;
+    }
+  }
+  if (c.format == Format::kInt || c.format == Format::kLloydMax) {
+    const bool lm = c.format == Format::kLloydMax;
+    const bool aligned = (D * st.bits) % 8 == 0;
+    if (st.bits == 8) {
+      st.load = lm ? Load::kLut8 : Load::kU8;
+    } else if (st.bits == 4 && aligned && W % 2 == 0 && W >= 4) {
+      st.load = lm ? Load::kLut4 : Load::kU4;
+    } else if (st.bits == 2 && aligned && W % 4 == 0 && !lm) {
+      st.load = Load::kU2;
+    } else {
+      st.unpack = true;
+      st.load = lm ? Load::kLut8 : Load::kU8;
+    }
+  }
+  if (st.lm) return;  // per-row norm: kRow
+  if (c.axis == Axis::kChannel) {
+    st.scale = Scale::kChannel;
+  } else if (st.box.gc == D) {
+    st.scale = Scale::kRow;
+  } else if (st.box.gc % W == 0) {
+    st.scale = Scale::kGroup;
+  } else {
+    st.scale = Scale::kExpand;
+  }
+}
+
+/// Pointer to the packed row (t, h) of a stream, or the unpacked bytes in `buf`.
+inline const uint8_t* packed_row(const Stream& st, int64_t t, int64_t h, uint8_t* buf) {
+  const int64_t H = st.view.shape.heads, D = st.view.shape.head_dim;
+  const auto e = static_cast<std::size_t>((t * H + h) * D);
+  if (st.unpack) {
+    unpack_codes(st.view.codes, static_cast<std::size_t>(D), st.bits, buf,
+                 e * static_cast<std::size_t>(st.bits));
+    return buf;
+  }
+  return st.view.codes + e * static_cast<std::size_t>(st.bits) / 8;
+}
+
+/// Fills the tile's metadata for rows t0..t0+n (segment-local) of head h: kRow -> ms[t], mz[t];
+/// kGroup -> ms[t * ng + g]; kExpand -> ms[t * D + d]; kChannel -> ms[d] (the block's).
+/// Zero points carry the folded offset: z' = z - off * s (so x = fma(code, s, z')); scales
+/// carry the fp8 unscale factor.
+inline void tile_meta(const Stream& st, int64_t t0, int64_t n, int64_t h, float* ms, float* mz,
+                      float* qn) {
+  const PackedView& v = st.view;
+  const GroupBox& b = st.box;
+  const int64_t D = v.shape.head_dim;
+  auto sz = [&](std::size_t g, float* s, float* z) {
+    const float sc = v.scale(g);
+    *s = sc * st.mul;
+    *z = (st.zeros ? v.zero(g) : 0.f) - st.off * sc;
+  };
+  if (st.raw) {
+    for (int64_t t = 0; t < n; ++t) {
+      ms[t] = 1.f;
+      mz[t] = 0.f;
+    }
+    return;
+  }
+  if (st.lm) {
+    const int64_t H = v.shape.heads;
+    for (int64_t t = 0; t < n; ++t) {
+      const auto vi = static_cast<std::size_t>((t0 + t) * H + h);
+      ms[t] = v.norm(vi);
+      mz[t] = 0.f;
+      if (st.qjl)
+        qn[t] = v.qjl_norm(vi) * static_cast<float>(std::sqrt(M_PI / 2.0) / static_cast<double>(D));
+    }
+    return;
+  }
+  switch (st.scale) {
+    case Scale::kRow:
+      for (int64_t t = 0; t < n; ++t)
+        sz(static_cast<std::size_t>(b.index(t0 + t, h, 0)), ms + t, mz + t);
+      return;
+    case Scale::kGroup: {
+      const int64_t ng = D / b.gc;
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t g = 0; g < ng; ++g)
+          sz(static_cast<std::size_t>(b.index(t0 + t, h, g * b.gc)), ms + t * ng + g,
+             mz + t * ng + g);
+      return;
+    }
+    case Scale::kExpand:
+      for (int64_t t = 0; t < n; ++t)
+        for (int64_t g = 0; g < D / b.gc; ++g) {
+          float s, z;
+          sz(static_cast<std::size_t>(b.index(t0 + t, h, g * b.gc)), &s, &z);
+          for (int64_t d = g * b.gc; d < (g + 1) * b.gc; ++d) {
+            ms[t * D + d] = s;
+            mz[t * D + d] = z;
+          }
+        }
+      return;
+    case Scale::kChannel: {
+      const auto g0 = static_cast<std::size_t>(b.index(t0, h, 0));
+      for (int64_t d = 0; d < D; ++d) sz(g0 + static_cast<std::size_t>(d), ms + d, mz + d);
+      return;
+    }
+  }
+}
+
+/// Decodes the packed row at `row` (tile position t) into floats (real domain for Lloyd-Max:
+/// centroids, QJL correction, inverse rotation, norm).
+template <class S, Load L>
+inline void decode_row(const Stream& st, const uint8_t* row, const uint8_t* sg, int64_t t,
+                       const float* ms, const float* mz, const float* qn, float* out,
+                       int64_t D) {
+  using V = typename S::V;
+  const int64_t nj = D / S::W;
+  if (!st.packed || st.lm) {
+    for (int64_t j = 0; j < nj; ++j) S::store(out + j * S::W, load_chunk<S, L>(row, j, st.lut));
+    if (st.lm) {
+      const auto& ctx = *st.ctx;
+      if (st.qjl) {
+        for (int64_t jj = 0; jj < D; ++jj) {
+          const float c = sg[jj] ? qn[t] : -qn[t];
+          const float* srow = ctx.qjl.data() + jj * D;
+          for (int64_t i = 0; i < D; ++i) out[i] += c * srow[i];
+        }
+      }
+      ctx.rotation.apply_inverse(out);
+      for (int64_t i = 0; i < D; ++i) out[i] *= ms[t];
+    }
+    return;
+  }
+  const int64_t gc = st.box.gc;
+  for (int64_t j = 0; j < nj; ++j) {
+    const V c = load_chunk<S, L>(row, j, st.lut);
+    V s, z;
+    switch (st.scale) {
+      case Scale::kRow: s = S::set1(ms[t]); z = S::set1(mz[t]); break;
+      case Scale::kGroup: {
+        const int64_t ng = D / gc, g = j * S::W / gc;
+        s = S::set1(ms[t * ng + g]);
+        z = S::set1(mz[t * ng + g]);
+        break;
+      }
+      case Scale::kExpand: s = S::load(ms + t * D + j * S::W); z = S::load(mz + t * D + j * S::W); break;
+      default: s = S::load(ms + j * S::W); z = S::load(mz + j * S::W); break;
+    }
+    S::store(out + j * S::W, S::fma(c, s, z));
+  }
+}
+
+/// Rotates row x (head_dim D) at position pos (core/rope.hpp's formula and rounding).
+inline void rope_row(float* x, int64_t D, const float* c, const float* s, RopeStyle style) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t i0 = style == RopeStyle::kAdjacent ? 2 * i : i;
+    const int64_t i1 = style == RopeStyle::kAdjacent ? 2 * i + 1 : i + half;
+    const float a = x[i0], b = x[i1];
+    x[i0] = a * c[i] - b * s[i];
+    x[i1] = a * s[i] + b * c[i];
+  }
+}
+
+/// One work unit: tokens [a, b) x queries [i0, i1), all kv heads.
+template <class S>
+class Unit {
+ public:
+  Unit(const Problem& P, Workspace& ws, Scratch& sc) : P_(P), ws_(ws), sc_(sc) {}
+
+  void run(int64_t chunk, int64_t qb) {
+    const int64_t D = P_.D, H = P_.H;
+    i0_ = qb * kQueryBlock;
+    const int64_t i1 = std::min(P_.nq, i0_ + kQueryBlock);
+    R_ = (i1 - i0_) * P_.G;
+    const int64_t a = chunk * P_.split;
+    int64_t b = std::min(P_.T, a + P_.split);
+    if (P_.causal) b = std::min(b, P_.T - P_.nq + i1);  // last visible token + 1
+    const std::size_t nr = static_cast<std::size_t>(H * R_);
+    sc_.m.assign(nr, -std::numeric_limits<float>::infinity());
+    sc_.l.assign(nr, 0.f);
+    sc_.acc.assign(nr * static_cast<std::size_t>(D), 0.f);
+    const bool vlm = P_.v_ctx != nullptr;
+    if (vlm) {
+      sc_.acc_rot.assign(nr * static_cast<std::size_t>(D), 0.f);
+      sc_.sacc.assign(nr * static_cast<std::size_t>(D), 0.f);
+      sc_.sconst.assign(nr, 0.f);
+    }
+    const std::size_t tr = static_cast<std::size_t>(R_ * kTile);
+    sc_.s.resize(tr);
+    sc_.w.resize(tr);
+    sc_.zacc.resize(static_cast<std::size_t>(R_));
+    const std::size_t td = static_cast<std::size_t>(kTile * D);
+    for (auto* v : {&sc_.ku, &sc_.vu, &sc_.ksg, &sc_.vsg}) v->resize(td);
+    for (auto* v : {&sc_.kms, &sc_.kmz, &sc_.vms, &sc_.vmz, &sc_.krow}) v->resize(td);
+    sc_.krp.resize(kTile);
+    sc_.vrp.resize(kTile);
+    sc_.kq.resize(kTile);
+    sc_.vq.resize(kTile);
+    sc_.qf.resize(static_cast<std::size_t>(R_ * D));
+    sc_.qz.resize(static_cast<std::size_t>(R_));
+    sc_.rc.resize(static_cast<std::size_t>(D / 2 + 1));
+    sc_.rs.resize(static_cast<std::size_t>(D / 2 + 1));
+    sc_.tmp.resize(static_cast<std::size_t>(std::max(D, R_)));
+
+    if (a < b) {
+      for (std::size_t si = 0; si < ws_.segs.size(); ++si) {
+        const CacheSegment& seg = ws_.segs[si];
+        const int64_t s0 = std::max(a, seg.begin), s1 = std::min(b, seg.end);
+        if (s0 >= s1) continue;
+        const Stream& ks = ws_.ks[si];
+        const Stream& vs = ws_.vs[si];
+        int64_t t = s0;
+        while (t < s1) {
+          int64_t e = std::min(s1, t + kTile);
+          for (const Stream* st : {&ks, &vs})
+            if (st->packed && st->scale == Scale::kChannel) {
+              const int64_t gt = st->box.gt, loc = t - seg.begin;
+              e = std::min(e, seg.begin + (loc / gt + 1) * gt);
+            }
+          for (int64_t h = 0; h < H; ++h) tile(seg, ks, vs, h, t, e);
+          t = e;
+        }
+      }
+    }
+    finish(chunk, qb);
+  }
+
+ private:
+  float* row_acc(float* base, int64_t h, int64_t r) const { return base + (h * R_ + r) * P_.D; }
+
+  void tile(const CacheSegment& seg, const Stream& ks, const Stream& vs, int64_t h, int64_t t0,
+            int64_t t1) {
+    const int64_t n = t1 - t0, D = P_.D, nj = D / S::W, loc0 = t0 - seg.begin;
+    const int64_t R = R_, HR = P_.nq * P_.G;
+    const float* qs = ws_.qs.data() + (h * HR + i0_ * P_.G) * D;
+    float* sc = sc_.s.data();
+    // ---- keys: scores [R, n]
+    if (ks.packed) tile_meta(ks, loc0, n, h, sc_.kms.data(), sc_.kmz.data(), sc_.kq.data());
+    if (P_.rope != nullptr) {
+      score_rope(seg, ks, h, t0, n, qs);
+    } else if (!ks.packed) {
+      for (int64_t t = 0; t < n; ++t) {
+        const auto* row = reinterpret_cast<const uint8_t*>(ks.rows.row(loc0 + t, h));
+        dot_rows<S>([&](int64_t j) { return load_chunk<S, Load::kF32>(row, j, nullptr); }, nj, qs,
+                    D, R, sc + t, kTile);
+      }
+    } else {
+      with_load(ks.load, [&](auto LC) { score_packed<LC.value>(ks, h, loc0, n, qs); });
+    }
+    // ---- causal mask, online softmax: weights into sc
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t i = i0_ + r / P_.G;
+      const int64_t last = P_.causal ? P_.T - P_.nq + i : P_.T - 1;  // last visible position
+      const int64_t nv = std::min(n, last - t0 + 1);
+      float* s = sc + r * kTile;
+      const std::size_t st = static_cast<std::size_t>(h * R + r);
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < nv; ++t) mx = std::max(mx, s[t]);
+      if (nv <= 0) {  // this query sees none of the tile
+        std::fill(s, s + kTile, 0.f);
+        continue;
+      }
+      std::fill(s + nv, s + kTile, -std::numeric_limits<float>::infinity());
+      const float mnew = std::max(sc_.m[st], mx);
+      if (mnew != sc_.m[st]) {
+        const float alpha = exp_neg(sc_.m[st] - mnew);
+        sc_.m[st] = mnew;
+        sc_.l[st] *= alpha;
+        rescale(row_acc(sc_.acc.data(), h, r), alpha);
+        if (P_.v_ctx != nullptr) {
+          rescale(row_acc(sc_.acc_rot.data(), h, r), alpha);
+          rescale(row_acc(sc_.sacc.data(), h, r), alpha);
+          sc_.sconst[st] *= alpha;
+        }
+      }
+      using V = typename S::V;
+      V sum = S::zero();
+      const V mv = S::set1(mnew);
+      for (int64_t t = 0; t < kTile; t += S::W) {
+        const V p = S::exp(S::fma(mv, S::set1(-1.f), S::load(s + t)));
+        S::store(s + t, p);
+        sum = S::add(sum, p);
+      }
+      sc_.l[st] += S::reduce(sum);
+    }
+    // ---- values
+    if (!vs.packed) {
+      float* acc = row_acc(sc_.acc.data(), h, 0);
+      axpy_rows<S>(
+          [&](int64_t t, int64_t j) {
+            return S::load(vs.rows.row(loc0 + t, h) + j * S::W);
+          },
+          n, nj, sc, acc, D, R);
+      return;
+    }
+    tile_meta(vs, loc0, n, h, sc_.vms.data(), sc_.vmz.data(), sc_.vq.data());
+    with_load(vs.load, [&](auto LC) { accumulate_packed<LC.value>(vs, h, loc0, n); });
+  }
+
+  void rescale(float* x, float alpha) {
+    const auto a = S::set1(alpha);
+    for (int64_t d = 0; d < P_.D; d += S::W) S::store(x + d, S::mul(S::load(x + d), a));
+  }
+
+  template <Load L>
+  void score_packed(const Stream& ks, int64_t h, int64_t loc0, int64_t n, const float* qs) {
+    using V = typename S::V;
+    const int64_t D = P_.D, nj = D / S::W, R = R_, HR = P_.nq * P_.G;
+    float* sc = sc_.s.data();
+    const float* ms = sc_.kms.data();
+    const float* mz = sc_.kmz.data();
+    if (ks.lm) {
+      const float* qr = ws_.qrot.data() + (h * HR + i0_ * P_.G) * D;
+      const float* sq = ws_.sq.data() + (h * HR + i0_ * P_.G) * D;
+      const float* sqs = ws_.sqsum.data() + h * HR + i0_ * P_.G;
+      float* tmp = sc_.tmp.data();
+      for (int64_t t = 0; t < n; ++t) {
+        const uint8_t* row = packed_row(ks, loc0 + t, h, sc_.ku.data());
+        dot_rows<S>([&](int64_t j) { return load_chunk<S, L>(row, j, ks.lut); }, nj, qr, D, R,
+                    sc + t, kTile);
+        if (ks.qjl) {
+          uint8_t* sg = sc_.ksg.data();
+          const auto vi = static_cast<std::size_t>((loc0 + t) * ks.view.shape.heads + h);
+          unpack_bits(ks.view.qjl_signs, static_cast<std::size_t>(D), 1, sg,
+                      vi * static_cast<std::size_t>(D));
+          dot_rows<S>([&](int64_t j) { return S::cvt(S::codes_u8(sg + j * S::W)); }, nj, sq, D,
+                      R, tmp, 1);
+          for (int64_t r = 0; r < R; ++r)
+            sc[r * kTile + t] += sc_.kq[t] * (2.f * tmp[r] - sqs[r]);
+        }
+        for (int64_t r = 0; r < R; ++r) sc[r * kTile + t] *= ms[t];
+      }
+      return;
+    }
+    switch (ks.scale) {
+      case Scale::kRow: {
+        const float* qsum = ws_.qsum.data() + h * HR + i0_ * P_.G;
+        for (int64_t t = 0; t < n; ++t) {
+          const uint8_t* row = packed_row(ks, loc0 + t, h, sc_.ku.data());
+          dot_rows<S>([&](int64_t j) { return load_chunk<S, L>(row, j, ks.lut); }, nj, qs, D, R,
+                      sc + t, kTile);
+          const float s = ms[t], z = mz[t];
+          for (int64_t r = 0; r < R; ++r) sc[r * kTile + t] = s * sc[r * kTile + t] + z * qsum[r];
+        }
+        return;
+      }
+      case Scale::kGroup: {
+        const int64_t gc = ks.box.gc, ng = D / gc;
+        for (int64_t t = 0; t < n; ++t) {
+          const uint8_t* row = packed_row(ks, loc0 + t, h, sc_.ku.data());
+          const float* gs = ms + t * ng;
+          const float* gz = mz + t * ng;
+          dot_rows<S>(
+              [&](int64_t j) {
+                const int64_t g = j * S::W / gc;
+                return S::fma(load_chunk<S, L>(row, j, ks.lut), S::set1(gs[g]), S::set1(gz[g]));
+              },
+              nj, qs, D, R, sc + t, kTile);
+        }
+        return;
+      }
+      case Scale::kExpand: {
+        for (int64_t t = 0; t < n; ++t) {
+          const uint8_t* row = packed_row(ks, loc0 + t, h, sc_.ku.data());
+          const float* es = ms + t * D;
+          const float* ez = mz + t * D;
+          dot_rows<S>(
+              [&](int64_t j) {
+                return S::fma(load_chunk<S, L>(row, j, ks.lut), S::load(es + j * S::W),
+                              S::load(ez + j * S::W));
+              },
+              nj, qs, D, R, sc + t, kTile);
+        }
+        return;
+      }
+      case Scale::kChannel: {
+        // Fold the block's per-channel scales into the queries, zero points into one constant.
+        float* qf = sc_.qf.data();
+        float* qz = sc_.qz.data();
+        for (int64_t r = 0; r < R; ++r) {
+          V z = S::zero();
+          for (int64_t j = 0; j < nj; ++j) {
+            const V q = S::load(qs + r * D + j * S::W);
+            S::store(qf + r * D + j * S::W, S::mul(q, S::load(ms + j * S::W)));
+            z = S::fma(q, S::load(mz + j * S::W), z);
+          }
+          qz[r] = S::reduce(z);
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          const uint8_t* row = packed_row(ks, loc0 + t, h, sc_.ku.data());
+          dot_rows<S>([&](int64_t j) { return load_chunk<S, L>(row, j, ks.lut); }, nj, qf, D, R,
+                      sc + t, kTile);
+        }
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t t = 0; t < n; ++t) sc[r * kTile + t] += qz[r];
+        return;
+      }
+    }
+  }
+
+  /// Pre-RoPE keys: each row decoded (L1), rotated at its position, then scored.
+  void score_rope(const CacheSegment& seg, const Stream& ks, int64_t h, int64_t t0, int64_t n,
+                  const float* qs) {
+    const int64_t D = P_.D, nj = D / S::W, R = R_, loc0 = t0 - seg.begin;
+    float* kr = sc_.krow.data();
+    for (int64_t t = 0; t < n; ++t) {
+      float* out = kr + t * D;
+      if (!ks.packed) {
+        std::copy(ks.rows.row(loc0 + t, h), ks.rows.row(loc0 + t, h) + D, out);
+      } else {
+        const uint8_t* row = packed_row(ks, loc0 + t, h, sc_.ku.data());
+        if (ks.qjl) {
+          const auto vi = static_cast<std::size_t>((loc0 + t) * ks.view.shape.heads + h);
+          unpack_bits(ks.view.qjl_signs, static_cast<std::size_t>(D), 1, sc_.ksg.data(),
+                      vi * static_cast<std::size_t>(D));
+        }
+        with_load(ks.load, [&](auto LC) {
+          decode_row<S, LC.value>(ks, row, sc_.ksg.data(), t, sc_.kms.data(), sc_.kmz.data(),
+                                  sc_.kq.data(), out, D);
+        });
+      }
+      const int64_t pos = t0 + t;
+      for (int64_t i = 0; i < D / 2; ++i) {
+        const double ang = static_cast<double>(pos) * ws_.inv_freq[static_cast<std::size_t>(i)];
+        sc_.rc[static_cast<std::size_t>(i)] = static_cast<float>(std::cos(ang));
+        sc_.rs[static_cast<std::size_t>(i)] = static_cast<float>(std::sin(ang));
+      }
+      rope_row(out, D, sc_.rc.data(), sc_.rs.data(), P_.rope->style);
+      dot_rows<S>([&](int64_t j) { return S::load(out + j * S::W); }, nj, qs, D, R,
+                  sc_.s.data() + t, kTile);
+    }
+  }
+
+  template <Load L>
+  void accumulate_packed(const Stream& vs, int64_t h, int64_t loc0, int64_t n) {
+    const int64_t D = P_.D, nj = D / S::W, R = R_;
+    const float* p = sc_.s.data();
+    float* w = sc_.w.data();
+    const uint8_t** rp = sc_.vrp.data();
+    for (int64_t t = 0; t < n; ++t) rp[t] = packed_row(vs, loc0 + t, h, sc_.vu.data() + t * D);
+    const float* ms = sc_.vms.data();
+    const float* mz = sc_.vmz.data();
+    if (vs.lm || vs.scale == Scale::kRow) {
+      // w = p * s (row scale or norm); zero points: one scalar per row.
+      for (int64_t r = 0; r < R; ++r) {
+        float zsum = 0.f;
+        for (int64_t t = 0; t < n; ++t) {
+          w[r * kTile + t] = p[r * kTile + t] * ms[t];
+          zsum += p[r * kTile + t] * mz[t];
+        }
+        sc_.zacc[static_cast<std::size_t>(r)] = zsum;
+      }
+      float* acc = row_acc(vs.lm ? sc_.acc_rot.data() : sc_.acc.data(), h, 0);
+      axpy_rows<S>([&](int64_t t, int64_t j) { return load_chunk<S, L>(rp[t], j, vs.lut); }, n,
+                   nj, w, acc, D, R);
+      if (vs.lm) {
+        if (vs.qjl) {
+          // sacc_j += 2 w c s01_j, sconst += w c  (sign = 2 s01 - 1)
+          uint8_t* sg = sc_.vsg.data();
+          for (int64_t t = 0; t < n; ++t) {
+            const auto vi = static_cast<std::size_t>((loc0 + t) * vs.view.shape.heads + h);
+            unpack_bits(vs.view.qjl_signs, static_cast<std::size_t>(D), 1, sg + t * D,
+                        vi * static_cast<std::size_t>(D));
+          }
+          for (int64_t r = 0; r < R; ++r) {
+            float cs = 0.f;
+            for (int64_t t = 0; t < n; ++t) {
+              const float wc = w[r * kTile + t] * sc_.vq[t];
+              cs += wc;
+              w[r * kTile + t] = 2.f * wc;
+            }
+            sc_.sconst[static_cast<std::size_t>(h * R + r)] += cs;
+          }
+          axpy_rows<S>([&](int64_t t, int64_t j) { return S::cvt(S::codes_u8(sg + t * D + j * S::W)); },
+                       n, nj, w, row_acc(sc_.sacc.data(), h, 0), D, R);
+        }
+        return;
+      }
+      if (vs.zeros || vs.off != 0.f) {
+        for (int64_t r = 0; r < R; ++r) {
+          float* a = row_acc(sc_.acc.data(), h, r);
+          const auto z = S::set1(sc_.zacc[static_cast<std::size_t>(r)]);
+          for (int64_t j = 0; j < nj; ++j) S::store(a + j * S::W, S::add(S::load(a + j * S::W), z));
+        }
+      }
+      return;
+    }
+    float* acc = row_acc(sc_.acc.data(), h, 0);
+    switch (vs.scale) {
+      case Scale::kGroup: {
+        const int64_t gc = vs.box.gc, ng = D / gc;
+        axpy_rows<S>(
+            [&](int64_t t, int64_t j) {
+              const int64_t g = t * ng + j * S::W / gc;
+              return S::fma(load_chunk<S, L>(rp[t], j, vs.lut), S::set1(ms[g]), S::set1(mz[g]));
+            },
+            n, nj, p, acc, D, R);
+        return;
+      }
+      case Scale::kExpand:
+        axpy_rows<S>(
+            [&](int64_t t, int64_t j) {
+              return S::fma(load_chunk<S, L>(rp[t], j, vs.lut), S::load(ms + t * D + j * S::W),
+                            S::load(mz + t * D + j * S::W));
+            },
+            n, nj, p, acc, D, R);
+        return;
+      default:  // kChannel: the block's per-channel vectors
+        axpy_rows<S>(
+            [&](int64_t t, int64_t j) {
+              return S::fma(load_chunk<S, L>(rp[t], j, vs.lut), S::load(ms + j * S::W),
+                            S::load(mz + j * S::W));
+            },
+            n, nj, p, acc, D, R);
+        return;
+    }
+  }
+
+  /// Folds the rotated-domain value sums back and stores the unit's (m, l, acc).
+  void finish(int64_t chunk, int64_t qb) {
+    const int64_t D = P_.D, H = P_.H, R = R_;
+    const std::size_t unit = static_cast<std::size_t>(chunk * P_.nqb + qb);
+    const std::size_t stride = static_cast<std::size_t>(H * kQueryBlock * P_.G);
+    float* um = ws_.um.data() + unit * stride;
+    float* ul = ws_.ul.data() + unit * stride;
+    float* ua = ws_.uacc.data() + unit * stride * static_cast<std::size_t>(D);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r = 0; r < R; ++r) {
+        const std::size_t st = static_cast<std::size_t>(h * R + r);
+        float* acc = row_acc(sc_.acc.data(), h, r);
+        if (P_.v_ctx != nullptr && sc_.l[st] > 0.f) {
+          float* ar = row_acc(sc_.acc_rot.data(), h, r);
+          const float* sa = row_acc(sc_.sacc.data(), h, r);
+          const float c0 = sc_.sconst[st];
+          const auto& ctx = *P_.v_ctx;
+          for (int64_t j = 0; j < D; ++j) {
+            const float cj = sa[j] - c0;
+            if (cj == 0.f) continue;
+            const float* srow = ctx.qjl.data() + j * D;
+            for (int64_t i = 0; i < D; ++i) ar[i] += cj * srow[i];
+          }
+          ctx.rotation.apply_inverse(ar);
+          for (int64_t i = 0; i < D; ++i) acc[i] += ar[i];
+        }
+        um[st] = sc_.m[st];
+        ul[st] = sc_.l[st];
+        std::copy(acc, acc + D, ua + st * static_cast<std::size_t>(D));
+      }
+  }
+
+  const Problem& P_;
+  Workspace& ws_;
+  Scratch& sc_;
+  int64_t i0_ = 0, R_ = 0;
+};
+
+/// Runs every unit (chunks x query blocks) on `workers` workers, then merges chunk results in
+/// chunk order and writes `out`.
+template <class S>
+void run_units(const Problem& P, Workspace& ws, KVView<float> out, const AttentionOptions& opt) {
+  const int64_t units = P.nchunks * P.nqb;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(opt.threads, units));
+  if (static_cast<int64_t>(ws.scratch.size()) < workers)
+    ws.scratch.resize(static_cast<std::size_t>(workers));
+  auto body = [&](int64_t wk) {
+    Unit<S> u(P, ws, ws.scratch[static_cast<std::size_t>(wk)]);
+    for (int64_t k = wk; k < units; k += workers) u.run(k / P.nqb, k % P.nqb);
+  };
+  if (workers == 1) {
+    body(0);
+  } else if (opt.parallel_for) {
+    opt.parallel_for(workers, body);
+  } else {
+    std::vector<std::thread> th;
+    th.reserve(static_cast<std::size_t>(workers - 1));
+    for (int64_t k = 1; k < workers; ++k) th.emplace_back(body, k);
+    body(0);
+    for (auto& t : th) t.join();
+  }
+  // Merge (fixed chunk order).
+  const int64_t D = P.D, G = P.G;
+  const std::size_t stride = static_cast<std::size_t>(P.H * kQueryBlock * G);
+  ws.out_row.resize(static_cast<std::size_t>(D));
+  float* o = ws.out_row.data();
+  for (int64_t i = 0; i < P.nq; ++i) {
+    const int64_t qb = i / kQueryBlock;
+    const int64_t R = rows_of_block(P, qb);
+    for (int64_t hq = 0; hq < P.nh; ++hq) {
+      const int64_t h = hq / G, r = (i - qb * kQueryBlock) * G + hq % G;
+      const std::size_t st = static_cast<std::size_t>(h * R + r);
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t c = 0; c < P.nchunks; ++c) {
+        const std::size_t u = static_cast<std::size_t>(c * P.nqb + qb);
+        if (ws.ul[u * stride + st] > 0.f) M = std::max(M, ws.um[u * stride + st]);
+      }
+      float L = 0.f;
+      std::fill(o, o + D, 0.f);
+      for (int64_t c = 0; c < P.nchunks; ++c) {
+        const std::size_t u = static_cast<std::size_t>(c * P.nqb + qb);
+        const float l = ws.ul[u * stride + st];
+        if (!(l > 0.f)) continue;
+        const float f = exp_neg(ws.um[u * stride + st] - M);
+        L += f * l;
+        const float* a = ws.uacc.data() + (u * stride + st) * static_cast<std::size_t>(D);
+        for (int64_t d = 0; d < D; ++d) o[d] += f * a[d];
+      }
+      const float inv = 1.f / L;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      detail::store_row(out, i, hq, o);
+    }
+  }
+}
+
+/// Checks the segments and the queries, prepares the streams and queries, then runs.
+template <class S>
+void attend_impl(Workspace& ws, Problem& P, KVView<const float> q, KVView<float> out,
+                 const AttentionOptions& opt) {
+  const int64_t D = P.D, H = P.H, nq = P.nq, G = P.G, HR = nq * G;
+  ws.ks.resize(ws.segs.size());
+  ws.vs.resize(ws.segs.size());
+  P.k_ctx = P.v_ctx = nullptr;
+  P.k_qjl = false;
+  for (std::size_t i = 0; i < ws.segs.size(); ++i) {
+    const CacheSegment& s = ws.segs[i];
+    Stream& ks = ws.ks[i];
+    Stream& vs = ws.vs[i];
+    if (s.packed()) {
+      setup_packed(ks, s.key_view, S::W);
+      setup_packed(vs, s.value_view, S::W);
+      if (ks.lm) {
+        KVQ_REQUIRE(P.k_ctx == nullptr || P.k_ctx == ks.ctx || P.k_seed == s.key_view.config.seed,
+                    kInvalidArgument, "attend: Lloyd-Max key segments use different seeds");
+        P.k_seed = s.key_view.config.seed;
+        P.k_ctx = ks.ctx;
+        P.k_qjl = P.k_qjl || ks.qjl;
+      }
+      if (vs.lm) {
+        KVQ_REQUIRE(P.v_ctx == nullptr || P.v_ctx == vs.ctx || P.v_seed == s.value_view.config.seed,
+                    kInvalidArgument, "attend: Lloyd-Max value segments use different seeds");
+        P.v_seed = s.value_view.config.seed;
+        P.v_ctx = vs.ctx;
+      }
+    } else {
+      ks = Stream();
+      vs = Stream();
+      ks.rows = s.key_rows;
+      vs.rows = s.value_rows;
+    }
+  }
+  // Queries: [H, nq * G, D], scaled by 1/sqrt(D); sums for zero points; rotations.
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  ws.qs.resize(static_cast<std::size_t>(H * HR * D));
+  ws.qsum.resize(static_cast<std::size_t>(H * HR));
+  ws.out_row.resize(static_cast<std::size_t>(D));
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t hq = 0; hq < P.nh; ++hq) {
+      const int64_t h = hq / G, lr = i * G + hq % G;
+      float* dst = ws.qs.data() + (h * HR + lr) * D;
+      const float* r = detail::load_row(q, i, hq, ws.out_row.data());
+      double sum = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        dst[d] = r[d] * scale;
+        sum += dst[d];
+      }
+      ws.qsum[static_cast<std::size_t>(h * HR + lr)] = static_cast<float>(sum);
+    }
+  if (P.k_ctx != nullptr) {
+    ws.qrot.assign(ws.qs.begin(), ws.qs.end());
+    P.k_ctx->rotation.apply_batch(ws.qrot.data(), H * HR);
+    if (P.k_qjl) {
+      ws.sq.resize(ws.qs.size());
+      ws.sqsum.resize(ws.qsum.size());
+      for (int64_t v = 0; v < H * HR; ++v) {
+        const float* qr = ws.qrot.data() + v * D;
+        float* o = ws.sq.data() + v * D;
+        double tot = 0;
+        for (int64_t j = 0; j < D; ++j) {
+          o[j] = detail::dot_f(P.k_ctx->qjl.data() + j * D, qr, D);
+          tot += o[j];
+        }
+        ws.sqsum[static_cast<std::size_t>(v)] = static_cast<float>(tot);
+      }
+    }
+  }
+  if (P.rope != nullptr) {
+    ws.inv_freq.resize(static_cast<std::size_t>(D / 2));
+    for (int64_t i = 0; i < D / 2; ++i)
+      ws.inv_freq[static_cast<std::size_t>(i)] =
+          std::pow(P.rope->theta, -static_cast<double>(2 * i) / static_cast<double>(D));
+  }
+  const std::size_t units = static_cast<std::size_t>(P.nchunks * P.nqb);
+  const std::size_t stride = static_cast<std::size_t>(H * kQueryBlock * G);
+  ws.um.resize(units * stride);
+  ws.ul.assign(units * stride, 0.f);
+  ws.uacc.resize(units * stride * static_cast<std::size_t>(D));
+  run_units<S>(P, ws, out, opt);
+}
+
+/// Validates the call and the segments (in order, covering [0, T), matching shapes).
+inline void check_call(const std::vector<CacheSegment>& segs, int64_t T, int64_t H, int64_t D,
+                       KVView<const float> q, KVView<float> out, bool causal,
+                       const RopeConfig* rope, int layer) {
+  const int64_t nq = q.tokens(), nh = q.heads();
+  KVQ_REQUIRE(q.head_dim() == D, kShapeMismatch, "attend: queries have head_dim ", q.head_dim(),
+              " but the cache has ", D);
+  KVQ_REQUIRE(nh > 0 && nh % H == 0, kShapeMismatch, "attend: n_heads=", nh,
+              " is not a positive multiple of the cache's kv_heads=", H);
+  KVQ_REQUIRE(out.shape() == q.shape(), kShapeMismatch, "attend: output ", out.shape().str(),
+              " does not match the queries ", q.shape().str());
+  if (nq == 0) return;
+  KVQ_REQUIRE(T > 0, kInvalidArgument, "attend: layer ", layer, " holds no tokens");
+  KVQ_REQUIRE(!causal || nq <= T, kInvalidArgument, "attend: ", nq,
+              " causal queries at the newest positions need at least as many tokens, but layer ",
+              layer, " holds ", T);
+  KVQ_REQUIRE(rope == nullptr || D % 2 == 0, kInvalidArgument,
+              "attend: RoPE needs an even head_dim, got ", D);
+  int64_t pos = 0;
+  for (const CacheSegment& s : segs) {
+    KVQ_REQUIRE(s.begin == pos && s.end > s.begin, kInvalidArgument, "attend: segment [",
+                s.begin, ", ", s.end, ") does not continue at token ", pos);
+    const Shape want{s.end - s.begin, H, D};
+    if (s.packed()) {
+      KVQ_REQUIRE(s.key_view.shape == want && s.value_view.shape == want &&
+                      s.key_view.codes != nullptr && s.value_view.codes != nullptr,
+                  kShapeMismatch, "attend: packed segment [", s.begin, ", ", s.end,
+                  ") must be ", want.str(), " with codes, got keys ", s.key_view.shape.str(),
+                  " and values ", s.value_view.shape.str());
+    } else {
+      KVQ_REQUIRE(s.key_rows.shape() == want && s.value_rows.shape() == want &&
+                      s.key_rows.dim_contiguous() && s.value_rows.dim_contiguous(),
+                  kShapeMismatch, "attend: row segment [", s.begin, ", ", s.end, ") must be ",
+                  want.str(), " with contiguous rows");
+    }
+    pos = s.end;
+  }
+  KVQ_REQUIRE(pos == T, kInvalidArgument, "attend: the segments cover ", pos, " tokens, not ", T);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        if (!std::isfinite(q.at(i, h, d))) detail::throw_non_finite_row(q, i, h, "attend: query");
+}
+
+/// The entry point: ws.segs holds the segments (already filled by the caller).
+inline void attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D,
+                            KVView<const float> q, KVView<float> out, bool causal,
+                            const RopeConfig* rope, const AttentionOptions& opt, int layer) {
+  check_call(ws.segs, T, H, D, q, out, causal, rope, layer);
+  const int64_t nq = q.tokens();
+  if (nq == 0) return;
+  KVQ_REQUIRE(opt.threads >= 1, kInvalidArgument, "attend: threads must be >= 1, got ",
+              opt.threads);
+  KVQ_REQUIRE(opt.split_tokens >= 0, kInvalidArgument,
+              "attend: split_tokens must be >= 0 (0 = default), got ", opt.split_tokens);
+  Problem P;
+  P.T = T;
+  P.H = H;
+  P.D = D;
+  P.nq = nq;
+  P.nh = q.heads();
+  P.G = P.nh / H;
+  P.causal = causal;
+  P.rope = rope;
+  P.split = opt.split_tokens > 0 ? opt.split_tokens : kDefaultSplit;
+  P.nchunks = (T + P.split - 1) / P.split;
+  P.nqb = (nq + kQueryBlock - 1) / kQueryBlock;
+#if KVQ_HAS_AVX512
+  if (D % 16 == 0) return attend_impl<Simd512>(ws, P, q, out, opt);
+#endif
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+  if (D % 8 == 0) return attend_impl<Simd256>(ws, P, q, out, opt);
+#endif
+  attend_impl<SimdScalar>(ws, P, q, out, opt);
+}
+
+}  // namespace attn
+}  // namespace kernels
+}  // namespace kvq

@@ -1,0 +1,343 @@
+// Tests for the fused attention kernels (kernels/cpu/attention_cpu.hpp through
+// attention/attention.hpp) against the double-precision oracle (reference/attention_ref.hpp):
+// every stored format pair the spec grammar accepts, GQA 1/4/8, head_dim 64/96/128/256 (and
+// 8/40 for the narrower vector paths), sinks / residual / partial chunks, decode and prefill,
+// 1 and 2 threads, pre-RoPE keys; bit-exact thread independence; pages an "engine" allocated;
+// no allocation after the first call. KVQ_TEST_SCALAR_TOO: also built with KVQ_NO_SIMD.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "kvq/attention/attention.hpp"
+#include "kvq/cache/kv_cache.hpp"
+#include "kvq/policy/spec.hpp"
+#include "kvq/quant/quantize.hpp"
+#include "kvq/reference/attention_ref.hpp"
+#include "test_util.hpp"
+
+// Allocation counter (global operator new), for the "no allocation after the first call" test.
+// (GCC cannot see that the replaced operator new pairs with free below.)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+static std::atomic<long> g_allocs{0};
+void* operator new(std::size_t n) {
+  g_allocs.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) {
+  g_allocs.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
+namespace {
+
+using kvq::AttentionOptions;
+using kvq::AttentionWorkspace;
+using kvq::KVCache;
+using kvq::KVView;
+using kvq::parse_policy;
+
+constexpr double kTol = 2e-5;
+
+/// max over rows of max|a - b| / max|b| within the row.
+double max_rel_row_error(const std::vector<float>& a, const std::vector<float>& b, int64_t D) {
+  double worst = 0;
+  for (std::size_t r = 0; r + static_cast<std::size_t>(D) <= b.size(); r += D) {
+    double mx = 1e-30, err = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      mx = std::max(mx, std::fabs(static_cast<double>(b[r + d])));
+      err = std::max(err, std::fabs(static_cast<double>(a[r + d]) - b[r + d]));
+    }
+    worst = std::max(worst, err / mx);
+  }
+  return worst;
+}
+
+/// A cache of `layer` 0 filled with T tokens (a 40-token prefill, then decode steps).
+KVCache filled_cache(const std::string& spec, int64_t T, int64_t H, int64_t D, uint32_t seed) {
+  KVCache c(parse_policy(spec), 1, static_cast<int>(H), static_cast<int>(D));
+  const auto kd = kvq_test::kv_data({T, H, D}, seed, true);
+  const auto vd = kvq_test::kv_data({T, H, D}, seed + 1, false);
+  const int64_t pre = std::min<int64_t>(40, T);
+  c.append(0, KVView<const float>::nhd(kd.data(), pre, H, D),
+           KVView<const float>::nhd(vd.data(), pre, H, D));
+  for (int64_t t = pre; t < T; ++t)
+    c.append(0, KVView<const float>::nhd(kd.data() + t * H * D, 1, H, D),
+             KVView<const float>::nhd(vd.data() + t * H * D, 1, H, D));
+  return c;
+}
+
+/// Runs fused and oracle attention for nq queries; returns the relative error.
+double fused_vs_oracle(const KVCache& c, int64_t nh, int64_t nq, bool causal,
+                       const kvq::RopeConfig* rope, const AttentionOptions& opt,
+                       std::vector<float>* fused_out = nullptr, bool oracle = true) {
+  const int64_t D = c.head_dim();
+  const auto q = kvq_test::kv_data({nq, nh, D}, 77 + static_cast<uint32_t>(nq), false);
+  std::vector<float> out(q.size(), 0.f), ref(q.size(), 0.f);
+  AttentionWorkspace ws;
+  kvq::attend(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
+              KVView<float>::nhd(out.data(), nq, nh, D), causal, ws, rope, opt);
+  if (fused_out) *fused_out = out;
+  if (!oracle) return 0;
+  kvq::reference::attend_ref(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
+                             KVView<float>::nhd(ref.data(), nq, nh, D), causal, rope);
+  return max_rel_row_error(out, ref, D);
+}
+
+std::vector<std::string> key_formats() {
+  std::vector<std::string> f = {"f32", "f16", "bf16"};
+  for (const char* e : {"e4m3", "e5m2"})
+    for (const char* a : {"head", "token", "tensor", "token/g32"}) f.push_back(std::string(e) + "/" + a);
+  for (const char* s : {"int", "sint"})
+    for (int b : {2, 3, 4, 8})
+      for (const char* a : {"token/g32", "channel/g32", "head", "tensor"})
+        f.push_back(std::string(s) + std::to_string(b) + "/" + a);
+  for (int b = 1; b <= 4; ++b) f.push_back("lm" + std::to_string(b));
+  return f;
+}
+
+// ---- every key format x every value format, one shape (GQA 4, head_dim 64), sinks + residual,
+// decode and prefill.
+TEST(FusedAttention, EveryFormatPairMatchesTheOracle) {
+  std::vector<std::string> kf = key_formats(), vf = key_formats();
+  for (int b = 1; b <= 4; ++b) kf.push_back("lm" + std::to_string(b) + "/qjl");
+  kf.push_back("int4/token/g32/f32meta");
+  vf.push_back("int2/channel/g32/f32meta");
+  const int64_t H = 2, D = 64, nh = 8, T = 83;
+  int checked = 0;
+  for (const auto& k : kf)
+    for (const auto& v : vf) {
+      const std::string spec = "k=" + k + ",v=" + v + ",residual=8,sinks=3";
+      const KVCache c = filled_cache(spec, T, H, D, 11);
+      AttentionOptions opt;
+      opt.split_tokens = 48;  // two chunks: exercises the merge
+      const double e1 = fused_vs_oracle(c, nh, 1, true, nullptr, opt);
+      ASSERT_LE(e1, kTol) << spec << " decode";
+      const double e2 = fused_vs_oracle(c, nh, 19, true, nullptr, opt);
+      ASSERT_LE(e2, kTol) << spec << " prefill";
+      ++checked;
+    }
+  EXPECT_EQ(checked, static_cast<int>(kf.size() * vf.size()));
+}
+
+// ---- shapes: head_dim x GQA x threads x layout of the sequence, a few formats each.
+struct ShapeCase {
+  const char* spec;
+  int64_t D;
+};
+
+TEST(FusedAttention, ShapesGqaThreadsAndSegments) {
+  const char* specs[] = {"k=f16,v=f16",
+                         "k=int4/channel/g32,v=int4/token/g32,residual=32",
+                         "k=e4m3/head,v=int4/token/g32",
+                         "k=lm4,v=lm4",
+                         "k=lm3/qjl,v=sint3/token/g32,sinks=5",
+                         "k=int2/channel/g32,v=int2/token/g32,residual=32,sinks=4",
+                         "k=e5m2/token,v=bf16,sinks=2"};
+  for (int64_t D : {64, 96, 128, 256, 40, 8})
+    for (const char* spec : specs)
+      for (int G : {1, 4, 8})
+        for (int64_t T : {1, 131}) {
+          const int64_t H = 2;
+          const std::string sp(spec);
+          // head_dim 8 and 40 (the AVX2 and narrow paths): no 32-channel groups, no Hadamard.
+          if ((D == 8 || D == 40) &&
+              (sp.find("g32") != std::string::npos || sp.find("lm") != std::string::npos))
+            continue;
+          const KVCache c = filled_cache(sp, T, H, D, 5 + static_cast<uint32_t>(D));
+          for (int threads : {1, 2}) {
+            AttentionOptions opt;
+            opt.threads = threads;
+            opt.split_tokens = 64;
+            for (int64_t nq : {int64_t{1}, std::min<int64_t>(T, 20)}) {
+              const double e = fused_vs_oracle(c, H * G, nq, true, nullptr, opt);
+              ASSERT_LE(e, kTol) << sp << " D=" << D << " G=" << G << " T=" << T
+                                 << " threads=" << threads << " nq=" << nq;
+            }
+            const double e = fused_vs_oracle(c, H * G, 3, false, nullptr, opt);
+            ASSERT_LE(e, kTol) << sp << " non-causal D=" << D << " G=" << G << " T=" << T;
+          }
+        }
+}
+
+// ---- pre-RoPE keys (KVQuant): rows decoded, rotated at their positions, scored.
+TEST(FusedAttention, PreRopeKeys) {
+  kvq::RopeConfig adj, half;
+  half.style = kvq::RopeStyle::kHalf;
+  half.theta = 500000.0;
+  for (const char* spec : {"k=int2/channel/g32,v=int2/token/g32,residual=32,sinks=3",
+                           "k=f16,v=f16", "k=lm3,v=lm4", "k=e4m3/token,v=int4/token/g32",
+                           "k=int3/token/g32,v=f32", "k=lm2/qjl,v=int8/head"})
+    for (int64_t D : {64, 128})
+      for (const kvq::RopeConfig* rc : {&adj, &half}) {
+        const KVCache c = filled_cache(spec, 150, 2, D, 3);
+        AttentionOptions opt;
+        opt.split_tokens = 64;
+        EXPECT_LE(fused_vs_oracle(c, 8, 1, true, rc, opt), kTol) << spec << " D=" << D;
+        EXPECT_LE(fused_vs_oracle(c, 8, 9, true, rc, opt), kTol) << spec << " D=" << D;
+      }
+}
+
+// ---- the result depends on the split, never on the thread count (bit-exact), including a
+// caller-supplied parallel-for.
+TEST(FusedAttention, ThreadCountDoesNotChangeTheResult) {
+  for (const char* spec : {"kivi4", "k8v4", "turbo4", "f16", "k=lm2/qjl,v=int3/channel/g32"}) {
+    const KVCache c = filled_cache(spec, 1000, 4, 128, 9);
+    std::vector<float> base, o;
+    AttentionOptions opt;
+    opt.split_tokens = 96;
+    for (int64_t nq : {1, 37}) {
+      EXPECT_LE(fused_vs_oracle(c, 16, nq, true, nullptr, opt, &base), kTol) << spec;
+      for (int threads : {2, 3, 5}) {
+        AttentionOptions o2 = opt;
+        o2.threads = threads;
+        fused_vs_oracle(c, 16, nq, true, nullptr, o2, &o, false);
+        ASSERT_EQ(std::memcmp(o.data(), base.data(), o.size() * sizeof(float)), 0)
+            << spec << " threads " << threads;
+      }
+      AttentionOptions o3 = opt;
+      o3.threads = 4;
+      int calls = 0;
+      o3.parallel_for = [&](int64_t n, const std::function<void(int64_t)>& body) {
+        ++calls;
+        for (int64_t i = n - 1; i >= 0; --i) body(i);  // any order
+      };
+      fused_vs_oracle(c, 16, nq, true, nullptr, o3, &o, false);
+      EXPECT_EQ(calls, 1);
+      ASSERT_EQ(std::memcmp(o.data(), base.data(), o.size() * sizeof(float)), 0) << spec;
+    }
+  }
+}
+
+// ---- the kernels read only the segments: packed views into pages an "engine" allocated (one
+// arena, 64-byte aligned regions, copied from the cache's blocks) give the cache's result bit
+// for bit.
+TEST(FusedAttention, EnginePagesGiveTheCacheResult) {
+  for (const char* spec : {"kivi2", "k8v4", "k=lm4/qjl,v=lm3,sinks=4", "k=sint8/head,v=bf16"}) {
+    const int64_t H = 4, D = 128, nh = 16, T = 300;
+    const KVCache c = filled_cache(std::string(spec).find('=') != std::string::npos
+                                       ? std::string(spec)
+                                       : std::string(spec),
+                                   T, H, D, 21);
+    std::vector<kvq::CacheSegment> segs;
+    c.for_each_segment(0, [&](const kvq::CacheSegment& s) { segs.push_back(s); });
+    // Engine arena: every packed region copied to a fresh 64-byte aligned slot.
+    std::vector<uint8_t> arena(std::size_t{8} << 20);
+    std::size_t used = 0;
+    auto place = [&](const uint8_t* src, std::size_t n) -> const uint8_t* {
+      if (src == nullptr) return nullptr;
+      used = (used + 63) / 64 * 64;
+      uint8_t* dst = arena.data() + used;
+      std::memcpy(dst, src, n);
+      used += n;
+      return dst;
+    };
+    std::vector<kvq::CacheSegment> pages;
+    for (const auto& s : segs) {
+      kvq::CacheSegment p;
+      p.kind = s.kind;
+      p.begin = s.begin;
+      p.end = s.end;
+      if (s.packed()) {
+        for (int kv = 0; kv < 2; ++kv) {
+          const kvq::QTensor& qt = kv == 0 ? *s.key : *s.value;
+          kvq::PackedView v;
+          v.config = qt.config;
+          v.shape = qt.shape;
+          v.codes = place(qt.codes.data(), qt.codes.size());
+          v.scales = place(qt.scales.raw().empty() ? nullptr : qt.scales.raw().data(), qt.scales.bytes());
+          v.zeros = place(qt.zeros.raw().empty() ? nullptr : qt.zeros.raw().data(), qt.zeros.bytes());
+          v.norms = place(qt.norms.raw().empty() ? nullptr : qt.norms.raw().data(), qt.norms.bytes());
+          v.qjl_signs = place(qt.qjl_signs.empty() ? nullptr : qt.qjl_signs.data(), qt.qjl_signs.size());
+          v.qjl_norms = place(qt.qjl_norms.raw().empty() ? nullptr : qt.qjl_norms.raw().data(),
+                              qt.qjl_norms.bytes());
+          (kv == 0 ? p.key_view : p.value_view) = v;
+        }
+      } else {
+        p.key_rows = s.key_rows;
+        p.value_rows = s.value_rows;
+      }
+      pages.push_back(p);
+    }
+    ASSERT_LE(used, arena.size());
+    for (int64_t nq : {1, 12}) {
+      const auto q = kvq_test::kv_data({nq, nh, D}, 4, false);
+      std::vector<float> a(q.size()), b(q.size());
+      AttentionWorkspace ws;
+      kvq::attend(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
+                  KVView<float>::nhd(a.data(), nq, nh, D), true, ws);
+      kvq::attend_segments(pages.data(), pages.size(), H, D,
+                           KVView<const float>::nhd(q.data(), nq, nh, D),
+                           KVView<float>::nhd(b.data(), nq, nh, D), true, ws);
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << spec;
+    }
+  }
+}
+
+// ---- a decode loop reusing its workspace allocates nothing after the first call.
+TEST(FusedAttention, WorkspaceReuseDoesNotAllocate) {
+  for (const char* spec : {"kivi4", "turbo4", "k=lm3/qjl,v=int3/token/g32,sinks=2", "f16"}) {
+    const KVCache c = filled_cache(spec, 700, 4, 128, 1);
+    const auto q = kvq_test::kv_data({1, 16, 128}, 8, false);
+    std::vector<float> out(q.size());
+    AttentionWorkspace ws;
+    kvq::attend_one(c, 0, q.data(), 16, out.data(), ws);
+    const long before = g_allocs.load();
+    for (int i = 0; i < 3; ++i) kvq::attend_one(c, 0, q.data(), 16, out.data(), ws);
+    EXPECT_EQ(g_allocs.load() - before, 0) << spec;
+    // Prefill too.
+    std::vector<float> o2(40 * 16 * 128);
+    const auto q2 = kvq_test::kv_data({40, 16, 128}, 9, false);
+    kvq::attend(c, 0, KVView<const float>::nhd(q2.data(), 40, 16, 128),
+                KVView<float>::nhd(o2.data(), 40, 16, 128), true, ws);
+    const long before2 = g_allocs.load();
+    kvq::attend(c, 0, KVView<const float>::nhd(q2.data(), 40, 16, 128),
+                KVView<float>::nhd(o2.data(), 40, 16, 128), true, ws);
+    EXPECT_EQ(g_allocs.load() - before2, 0) << spec;
+  }
+}
+
+// ---- bad segment lists and options are errors that write nothing.
+TEST(FusedAttention, BadSegmentsAndOptionsThrow) {
+  const KVCache c = filled_cache("kivi4", 100, 2, 64, 2);
+  std::vector<kvq::CacheSegment> segs;
+  c.for_each_segment(0, [&](const kvq::CacheSegment& s) { segs.push_back(s); });
+  ASSERT_GE(segs.size(), 2u);
+  const auto q = kvq_test::kv_data({1, 4, 64}, 8, false);
+  std::vector<float> out(q.size(), 42.f);
+  AttentionWorkspace ws;
+  auto run = [&](const std::vector<kvq::CacheSegment>& s, const AttentionOptions& o) {
+    kvq::attend_segments(s.data(), s.size(), 2, 64, KVView<const float>::nhd(q.data(), 1, 4, 64),
+                         KVView<float>::nhd(out.data(), 1, 4, 64), true, ws, nullptr, o);
+  };
+  std::vector<kvq::CacheSegment> gap(segs.begin() + 1, segs.end());
+  EXPECT_THROW(run(gap, {}), kvq::Error);
+  std::vector<kvq::CacheSegment> wrong = segs;
+  wrong[0].key_view.shape.heads = 3;
+  if (wrong[0].packed()) {
+    EXPECT_THROW(run(wrong, {}), kvq::Error);
+  }
+  AttentionOptions bad;
+  bad.threads = 0;
+  EXPECT_THROW(run(segs, bad), kvq::Error);
+  bad.threads = 1;
+  bad.split_tokens = -1;
+  EXPECT_THROW(run(segs, bad), kvq::Error);
+  for (float x : out) ASSERT_EQ(x, 42.f);
+  EXPECT_THROW(run({}, {}), kvq::Error);
+}
+
+}  // namespace
