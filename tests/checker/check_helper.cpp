@@ -12,7 +12,8 @@
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: kvq_check_helper exit <code> <text> | abort <text> | segv <text>\n");
+    std::fprintf(stderr,
+                 "usage: kvq_check_helper exit <code> <text> | abort <text> | segv <text>\n");
     return 2;
   }
   const char* mode = argv[1];
