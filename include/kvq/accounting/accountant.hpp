@@ -21,7 +21,8 @@ namespace kvq {
 /// support (int5, negative, ...), groups that do not divide the shape, and sizes beyond
 /// size_t. tests/accounting checks it against the buffers quantize() really fills and against
 /// an independent formula. Bytes that live elsewhere are not counted: the Lloyd-Max rotation
-/// seed is part of the config (one per layer config), and codebooks are derived from (d, b).
+/// seed is part of the config (one per layer config), Lloyd-Max codebooks are derived from
+/// (d, b), and nuq codebooks are per-layer metadata (layer_metadata_bytes).
 inline ByteBreakdown account(const QuantConfig& cfg, const Shape& shape) {
   const PackedSizes p = packed_sizes(cfg, shape);
   ByteBreakdown b;
@@ -30,7 +31,15 @@ inline ByteBreakdown account(const QuantConfig& cfg, const Shape& shape) {
   b.zeros = p.zeros;
   b.norms = p.norms;
   b.residual = p.qjl_signs + p.qjl_norms;
+  b.outliers = p.outlier_values + p.outlier_pos;  // dense-and-sparse: k fixed, no counts
   return b;
+}
+
+/// Per-layer metadata of `cfg` that no block holds: a nuq codebook (4 * 2^bits bytes, stored
+/// once per layer and K/V in the config, docs/outliers.md); 0 for every other format. A
+/// whole-cache figure adds this once per (layer, K or V).
+inline std::size_t layer_metadata_bytes(const QuantConfig& cfg) {
+  return cfg.format == Format::kNuq ? nuq_codebook_bytes(cfg.bits) : 0;
 }
 
 /// Effective bits per value of `cfg` on `shape` (0 for an empty shape).

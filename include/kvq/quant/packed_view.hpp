@@ -16,6 +16,11 @@
 ///   norms      one per (token, head) vector in token-major order (Lloyd-Max), else null
 ///   qjl_signs  one bit per coordinate (Lloyd-Max + QJL), else null
 ///   qjl_norms  one per vector (Lloyd-Max + QJL), else null
+///   outlier_values  k fp16 values per (token, head) vector, [tokens, heads, k] (dense-and-
+///              sparse, quant/outlier_quant.hpp), else null
+///   outlier_pos     their channels, same order, 1 byte each (2, little-endian, when
+///              head_dim > 256), ascending within a vector, else null
+/// A nuq tensor's codebook is not a region: it is per-layer metadata in config.nuq_levels.
 /// Metadata values are config.meta (fp16 or f32) little-endian and need no alignment (read
 /// with memcpy); the paged layout aligns every region to 64 bytes anyway.
 #include <cstdint>
@@ -24,6 +29,7 @@
 
 #include "kvq/core/half.hpp"
 #include "kvq/core/tensor.hpp"
+#include "kvq/geometry/outliers.hpp"
 #include "kvq/quant/qtensor.hpp"
 
 namespace kvq {
@@ -61,6 +67,8 @@ struct PackedView {
   const uint8_t* norms = nullptr;
   const uint8_t* qjl_signs = nullptr;
   const uint8_t* qjl_norms = nullptr;
+  const uint8_t* outlier_values = nullptr;
+  const uint8_t* outlier_pos = nullptr;
 
   float scale(std::size_t g) const { return detail::load_meta(scales, config.meta, g); }
   float zero(std::size_t g) const {
@@ -80,6 +88,8 @@ struct PackedSpan {
   uint8_t* norms = nullptr;
   uint8_t* qjl_signs = nullptr;
   uint8_t* qjl_norms = nullptr;
+  uint8_t* outlier_values = nullptr;
+  uint8_t* outlier_pos = nullptr;
 
   PackedView view() const {
     PackedView v;
@@ -91,6 +101,8 @@ struct PackedSpan {
     v.norms = norms;
     v.qjl_signs = qjl_signs;
     v.qjl_norms = qjl_norms;
+    v.outlier_values = outlier_values;
+    v.outlier_pos = outlier_pos;
     return v;
   }
 };
@@ -107,6 +119,8 @@ inline PackedSpan span_of(QTensor& q) {
   v.norms = q.norms.data();
   v.qjl_signs = ptr(q.qjl_signs);
   v.qjl_norms = q.qjl_norms.data();
+  v.outlier_values = ptr(q.outlier_values);
+  v.outlier_pos = ptr(q.outlier_pos);
   return v;
 }
 
@@ -123,6 +137,8 @@ inline void size_for(QTensor& q, const QuantConfig& cfg, const Shape& s) {
   q.norms.reset(cfg.meta, p.norms / msz);
   q.qjl_signs.resize(p.qjl_signs);
   q.qjl_norms.reset(cfg.meta, p.qjl_norms / msz);
+  q.outlier_values.resize(p.outlier_values);
+  q.outlier_pos.resize(p.outlier_pos);
 }
 
 /// Scratch of the span/view quantizers (quantize_into, dequantize(PackedView, ..., ws)): every
@@ -132,6 +148,9 @@ struct QuantWorkspace {
   std::vector<float> buf, u, r;       // [head_dim] one row
   std::vector<uint8_t> codes, signs;  // [head_dim] unpacked codes / QJL signs
   std::vector<float> lo, hi, zv, iv;  // [heads * head_dim] per-block group parameters
+  std::vector<float> dense, ovals;    // dense-and-sparse: [tokens, heads, head_dim], [.., k]
+  std::vector<int32_t> sel;           // dense-and-sparse: [tokens, heads, k] channels
+  OutlierScratch outlier;             // selection statistics (geometry/outliers.hpp)
   template <class V>
   static typename V::value_type* at_least(V& v, std::size_t n) {
     if (v.size() < n) v.resize(n);
@@ -153,6 +172,8 @@ inline PackedView view_of(const QTensor& q) {
   v.norms = ptr(q.norms.raw());
   v.qjl_signs = ptr(q.qjl_signs);
   v.qjl_norms = ptr(q.qjl_norms.raw());
+  v.outlier_values = ptr(q.outlier_values);
+  v.outlier_pos = ptr(q.outlier_pos);
   return v;
 }
 

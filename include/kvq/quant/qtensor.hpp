@@ -5,8 +5,10 @@
 /// One QuantConfig describes every scheme kvq stores (raw f32/f16/bf16, grouped integers,
 /// scaled FP8, rotate-then-Lloyd-Max). Compile-time policies (policy/) and runtime spec strings
 /// both produce a QuantConfig and go through the same quantize()/dequantize() dispatch.
+#include <array>
+#include <cmath>
 #include <cstdint>
-#include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -16,6 +18,7 @@
 #include "kvq/core/half.hpp"
 #include "kvq/core/tensor.hpp"
 #include "kvq/format/meta.hpp"
+#include "kvq/format/nuq.hpp"
 #include "kvq/geometry/grouping.hpp"
 
 namespace kvq {
@@ -29,6 +32,7 @@ enum class Format : uint8_t {
   kE4M3,       ///< scaled FP8 e4m3fn
   kE5M2,       ///< scaled FP8 e5m2
   kLloydMax,   ///< per-vector norm + rotation + Lloyd-Max codebook (TurboQuant-style)
+  kNuq,        ///< grouped min/max normalization + learned per-layer codebook (KVQuant nuq)
 };
 
 inline const char* to_string(Format f) {
@@ -40,6 +44,7 @@ inline const char* to_string(Format f) {
     case Format::kE4M3: return "e4m3";
     case Format::kE5M2: return "e5m2";
     case Format::kLloydMax: return "lm";
+    case Format::kNuq: return "nuq";
   }
   return "?";
 }
@@ -55,6 +60,15 @@ struct QuantConfig {
   float fp8_margin = 1.0f;             ///< fp8: scale = amax * margin / max_finite
   bool qjl = false;                    ///< lm: 1-bit QJL residual (opt-in)
   uint64_t seed = 0x6b7671u;           ///< lm: rotation / projection seed
+  /// Dense-and-sparse (int, fp8, nuq): entries kept exactly (fp16 value + position) per
+  /// (token, head) vector; outlier_pct > 0 wins: ceil(pct / 100 * head_dim) (spec /out<P>%).
+  /// See quant/outlier_quant.hpp and docs/outliers.md.
+  int outliers = 0;
+  float outlier_pct = 0.f;
+  /// nuq: the layer's calibrated codebook (2^bits ascending levels in the normalized space),
+  /// per-layer metadata; nuq_ready is false until kvq::calibrate or a calibration file set it.
+  bool nuq_ready = false;
+  std::array<float, kNuqMaxLevels> nuq_levels{};
 
   bool is_raw() const {
     return format == Format::kF32 || format == Format::kF16 || format == Format::kBF16;
@@ -70,6 +84,7 @@ struct QuantConfig {
       case Format::kE4M3: s = "e4m3"; break;
       case Format::kE5M2: s = "e5m2"; break;
       case Format::kLloydMax: s = "lm" + std::to_string(bits); break;
+      case Format::kNuq: s = "nuq" + std::to_string(bits); break;
     }
     if (format != Format::kLloydMax) {
       s += "/";
@@ -79,10 +94,29 @@ struct QuantConfig {
       s += "/rot";
       if (qjl) s += "/qjl";
     }
+    if (outlier_pct > 0.f) {
+      char buf[32];
+      std::snprintf(buf, sizeof buf, "/out%g%%", static_cast<double>(outlier_pct));
+      s += buf;
+    } else if (outliers > 0) {
+      s += "/out" + std::to_string(outliers);
+    }
     if (meta == MetaDType::kF32) s += "/f32meta";
     return s;
   }
 };
+
+/// Outliers per (token, head) vector of `cfg` for vectors of `head_dim` entries: outlier_pct
+/// > 0 gives ceil(pct / 100 * head_dim), else cfg.outliers. Not clamped (packed_sizes rejects
+/// k > head_dim).
+inline int64_t outlier_count(const QuantConfig& cfg, int64_t head_dim) {
+  if (cfg.outlier_pct > 0.f)
+    return static_cast<int64_t>(
+        std::ceil(static_cast<double>(cfg.outlier_pct) * static_cast<double>(head_dim) / 100.0));
+  return cfg.outliers;
+}
+/// Bytes of one outlier position: 1 when head_dim <= 256, else 2 (little-endian uint16).
+inline int outlier_pos_bytes(int64_t head_dim) { return head_dim <= 256 ? 1 : 2; }
 
 /// A typed array of metadata values stored as fp16 or fp32 bytes.
 class MetaBuffer {
@@ -150,8 +184,8 @@ struct ByteBreakdown {
   std::size_t zeros = 0;      ///< per-group zero points (asymmetric int)
   std::size_t norms = 0;      ///< per-vector norms (rotate-then-Lloyd-Max)
   std::size_t residual = 0;   ///< QJL sign bits and residual norms
-  std::size_t outliers = 0;   ///< sparse outliers (values + indices)
-  std::size_t codebooks = 0;  ///< stored codebooks (0 when derived from (d, b))
+  std::size_t outliers = 0;   ///< sparse outliers (fp16 values + positions; k fixed: no counts)
+  std::size_t codebooks = 0;  ///< stored codebooks (0 when derived from (d, b) or per-layer)
   std::size_t padding = 0;    ///< alignment padding between the regions of a page (layout/)
   std::size_t total() const {
     return codes + scales + zeros + norms + residual + outliers + codebooks + padding;
@@ -189,8 +223,12 @@ struct PackedSizes {
   std::size_t norms = 0;      ///< one per vector (Lloyd-Max)
   std::size_t qjl_signs = 0;  ///< one bit per coordinate (Lloyd-Max + QJL)
   std::size_t qjl_norms = 0;  ///< one per vector (Lloyd-Max + QJL)
-  std::size_t groups = 0;     ///< group boxes (int, fp8)
-  std::size_t total() const { return codes + scales + zeros + norms + qjl_signs + qjl_norms; }
+  std::size_t groups = 0;     ///< group boxes (int, fp8, nuq)
+  std::size_t outlier_values = 0;  ///< k fp16 values per vector (dense-and-sparse), else 0
+  std::size_t outlier_pos = 0;     ///< k positions per vector (1 byte, 2 if head_dim > 256)
+  std::size_t total() const {
+    return codes + scales + zeros + norms + qjl_signs + qjl_norms + outlier_values + outlier_pos;
+  }
 };
 
 namespace detail {
@@ -203,8 +241,10 @@ inline void check_format_bits(const QuantConfig& cfg) {
   } else if (cfg.format == Format::kLloydMax) {
     KVQ_REQUIRE(cfg.bits >= 1 && cfg.bits <= 4, kInvalidArgument,
                 "Lloyd-Max codebooks have 1..4 bits, got ", cfg.bits);
+  } else if (cfg.format == Format::kNuq) {
+    check_nuq_bits(cfg.bits);
   }
-  KVQ_REQUIRE(static_cast<uint8_t>(cfg.format) <= static_cast<uint8_t>(Format::kLloydMax),
+  KVQ_REQUIRE(static_cast<uint8_t>(cfg.format) <= static_cast<uint8_t>(Format::kNuq),
               kInvalidArgument, "unknown format code ", static_cast<int>(cfg.format));
 }
 /// a * b, throwing kOutOfRange when it does not fit size_t.
@@ -231,13 +271,17 @@ inline PackedSizes packed_sizes(const QuantConfig& cfg, const Shape& shape) {
     case Format::kF16:
     case Format::kBF16: p.codes = 2 * n; break;
     case Format::kInt:
+    case Format::kNuq:
     case Format::kE4M3:
     case Format::kE5M2: {
       const GroupBox box = group_box(cfg.axis, cfg.group, shape);
+      const bool coded = cfg.format == Format::kInt || cfg.format == Format::kNuq;
       p.groups = n > 0 ? static_cast<std::size_t>(box.count()) : 0;
-      p.codes = cfg.format == Format::kInt ? (n * static_cast<std::size_t>(cfg.bits) + 7) / 8 : n;
+      p.codes = coded ? (n * static_cast<std::size_t>(cfg.bits) + 7) / 8 : n;
       p.scales = p.groups * msz;
-      p.zeros = cfg.format == Format::kInt && !cfg.symmetric ? p.groups * msz : 0;
+      p.zeros = (cfg.format == Format::kInt && !cfg.symmetric) || cfg.format == Format::kNuq
+                    ? p.groups * msz
+                    : 0;
       break;
     }
     case Format::kLloydMax:
@@ -248,6 +292,22 @@ inline PackedSizes packed_sizes(const QuantConfig& cfg, const Shape& shape) {
         p.qjl_norms = vectors * msz;
       }
       break;
+  }
+  KVQ_REQUIRE(cfg.outliers >= 0 && std::isfinite(cfg.outlier_pct) && cfg.outlier_pct >= 0.f &&
+                  cfg.outlier_pct <= 100.f,
+              kInvalidArgument, "outliers must be >= 0 and outlier_pct in [0, 100], got ",
+              cfg.outliers, " and ", cfg.outlier_pct);
+  const int64_t k = outlier_count(cfg, shape.head_dim);
+  if (k > 0) {
+    KVQ_REQUIRE(cfg.format == Format::kInt || cfg.format == Format::kNuq ||
+                    cfg.format == Format::kE4M3 || cfg.format == Format::kE5M2,
+                kInvalidArgument, "outliers (dense-and-sparse) apply to int, fp8 and nuq formats, not ",
+                to_string(cfg.format));
+    KVQ_REQUIRE(k <= shape.head_dim, kInvalidArgument, k, " outliers per vector but head_dim is ",
+                shape.head_dim);
+    const std::size_t kv = detail::checked_mul(vectors, static_cast<std::size_t>(k), shape);
+    p.outlier_values = 2 * kv;
+    p.outlier_pos = static_cast<std::size_t>(outlier_pos_bytes(shape.head_dim)) * kv;
   }
   return p;
 }
@@ -262,6 +322,8 @@ struct QTensor {
   MetaBuffer norms;            ///< one per (token, head) vector (lm)
   std::vector<uint8_t> qjl_signs;  ///< lm + qjl: one bit per coordinate
   MetaBuffer qjl_norms;            ///< lm + qjl: residual norm per vector
+  std::vector<uint8_t> outlier_values;  ///< dense-and-sparse: [tokens, heads, k] fp16 bits
+  std::vector<uint8_t> outlier_pos;     ///< dense-and-sparse: [tokens, heads, k] channel indices
 
   ByteBreakdown breakdown() const {
     ByteBreakdown b;
@@ -270,6 +332,7 @@ struct QTensor {
     b.zeros = zeros.bytes();
     b.norms = norms.bytes();
     b.residual = qjl_signs.size() + qjl_norms.bytes();
+    b.outliers = outlier_values.size() + outlier_pos.size();
     return b;
   }
   std::size_t bytes() const { return breakdown().total(); }

@@ -20,6 +20,8 @@
 #include "kvq/kernels/cpu/uniform_cpu.hpp"
 #include "kvq/quant/grouped_quant.hpp"
 #include "kvq/quant/lloyd_max_quant.hpp"
+#include "kvq/quant/nuq_quant.hpp"
+#include "kvq/quant/outlier_quant.hpp"
 #include "kvq/quant/packed_view.hpp"
 #include "kvq/quant/qtensor.hpp"
 
@@ -93,7 +95,9 @@ void dequantize_raw(const PackedView& q, int64_t t0, const KVView<T>& out, Quant
 inline void check_span(const PackedSizes& p, const PackedSpan& q) {
   KVQ_REQUIRE((p.codes == 0 || q.codes) && (p.scales == 0 || q.scales) &&
                   (p.zeros == 0 || q.zeros) && (p.norms == 0 || q.norms) &&
-                  (p.qjl_signs == 0 || q.qjl_signs) && (p.qjl_norms == 0 || q.qjl_norms),
+                  (p.qjl_signs == 0 || q.qjl_signs) && (p.qjl_norms == 0 || q.qjl_norms) &&
+                  (p.outlier_values == 0 || q.outlier_values) &&
+                  (p.outlier_pos == 0 || q.outlier_pos),
               kInvalidArgument, "quantize_into: the span lacks a region that ",
               q.config.name(), " needs");
 }
@@ -124,6 +128,12 @@ void quantize_into(const QuantConfig& cfg, const KVView<const T>& x, const Packe
               " but the input is ", x.shape().str());
   const PackedSizes sizes = packed_sizes(cfg, x.shape());  // validates bits, groups, sizes
   detail::check_span(sizes, q);
+  if (sizes.outlier_values > 0) {  // dense-and-sparse (quant/outlier_quant.hpp)
+    if (cfg.format == Format::kNuq) detail::require_nuq_codebook(cfg);
+    return quantize_with_outliers(cfg, x, q, ws,
+                                  [&ws](const QuantConfig& c, const KVView<const float>& d,
+                                        const PackedSpan& s) { quantize_into(c, d, s, ws); });
+  }
   switch (cfg.format) {
     case Format::kF32: return detail::quantize_raw<float>(x, q, ws);
     case Format::kF16: return detail::quantize_raw<f16>(x, q, ws);
@@ -132,6 +142,7 @@ void quantize_into(const QuantConfig& cfg, const KVView<const T>& x, const Packe
     case Format::kE4M3:
     case Format::kE5M2: return quantize_fp8(cfg, x, q, ws);
     case Format::kLloydMax: return quantize_lloyd_max(cfg, x, q, ws);
+    case Format::kNuq: return quantize_nuq(cfg, x, q, ws);
   }
   fail(ErrorKind::kInvalidArgument, "unknown format code ", static_cast<int>(cfg.format));
 }
@@ -180,10 +191,17 @@ void dequantize_tokens(const PackedView& q, int64_t t0, const KVView<T>& out,
     case Format::kF32: return detail::dequantize_raw<float>(q, t0, out, ws);
     case Format::kF16: return detail::dequantize_raw<f16>(q, t0, out, ws);
     case Format::kBF16: return detail::dequantize_raw<bf16>(q, t0, out, ws);
-    case Format::kInt: return dequantize_uniform(q, t0, out, ws);
+    case Format::kInt:
+      dequantize_uniform(q, t0, out, ws);
+      return apply_outliers(q, t0, out);
     case Format::kE4M3:
-    case Format::kE5M2: return dequantize_fp8(q, t0, out, ws);
+    case Format::kE5M2:
+      dequantize_fp8(q, t0, out, ws);
+      return apply_outliers(q, t0, out);
     case Format::kLloydMax: return dequantize_lloyd_max(q, t0, out, ws);
+    case Format::kNuq:
+      dequantize_nuq(q, t0, out, ws);
+      return apply_outliers(q, t0, out);
   }
   fail(ErrorKind::kInvalidArgument, "unknown format code ", static_cast<int>(q.config.format));
 }

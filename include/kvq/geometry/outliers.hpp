@@ -1,0 +1,154 @@
+#pragma once
+/// \file outliers.hpp
+/// Outlier isolation (KVQuant's dense-and-sparse split): which k entries of every
+/// (token, head) vector are kept exactly, and what the dense quantizer sees in their place.
+///
+/// Selection. Every entry is scored by its distance from its group's centre in units of the
+/// group's spread, after the normalization the axis uses:
+///   score = |x - mean_g| / sd_g        (0 when sd_g == 0)
+/// where g is the entry's group box (quant axis + group size: per channel, the G tokens of one
+/// channel; per token, G channels of one vector; per head / tensor, the whole box), mean_g and
+/// sd_g its mean and population standard deviation (two passes, double, in [token, head,
+/// channel] order). Each vector keeps exactly its k highest scores; ties, including all-equal
+/// vectors, go to the lower channel index (the order (score descending, channel ascending) is
+/// total, so the chosen set is unique). Positions are stored ascending.
+///
+/// Dense part. The dense ranges are computed without the outliers: every selected entry is
+/// replaced by its value clamped to [min, max] of the non-selected entries of its group box (the
+/// group mean when a box has no non-selected entry), so the dense quantizer's min/max (int,
+/// nuq) and absmax (fp8) are exactly those of the remaining entries.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "kvq/core/error.hpp"
+#include "kvq/core/tensor.hpp"
+#include "kvq/geometry/grouping.hpp"
+
+namespace kvq {
+
+/// Scratch of isolate_outliers (only grows).
+struct OutlierScratch {
+  std::vector<double> mean, sd;   // [boxes]
+  std::vector<float> lo, hi;      // [boxes]
+  std::vector<float> score;       // [head_dim]
+  std::vector<int32_t> idx;       // [head_dim]
+  std::vector<uint8_t> mark;      // [head_dim]
+};
+
+namespace detail {
+template <class V>
+typename V::value_type* grow(V& v, std::size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+}  // namespace detail
+
+/// Isolates k outliers per vector of `x` ([s.tokens, s.heads, s.head_dim] contiguous f32,
+/// finite): sel[(t * H + h) * k + j] gets the j-th selected channel (ascending), vals the
+/// original value, and x is rewritten with the dense part (see the file comment). The group
+/// box is that of (axis, group) on s (throws kShapeMismatch when it does not divide s).
+inline void isolate_outliers(const Shape& s, Axis axis, int64_t group, int64_t k, float* x,
+                             int32_t* sel, float* vals, OutlierScratch& sc) {
+  const int64_t T = s.tokens, H = s.heads, D = s.head_dim;
+  KVQ_REQUIRE(k >= 0 && k <= D, kInvalidArgument, k, " outliers per vector but head_dim is ", D);
+  if (k == 0 || s.numel() == 0) return;
+  const GroupBox box = group_box(axis, group, s);
+  const auto nb = static_cast<std::size_t>(box.count());
+  double* mean = detail::grow(sc.mean, nb);
+  double* sd = detail::grow(sc.sd, nb);
+  float* lo = detail::grow(sc.lo, nb);
+  float* hi = detail::grow(sc.hi, nb);
+  float* score = detail::grow(sc.score, static_cast<std::size_t>(D));
+  int32_t* idx = detail::grow(sc.idx, static_cast<std::size_t>(D));
+  uint8_t* mark = detail::grow(sc.mark, static_cast<std::size_t>(D));
+  std::fill(mean, mean + nb, 0.0);
+  std::fill(sd, sd + nb, 0.0);
+  const double inv_n = 1.0 / static_cast<double>(box.size());
+  // Box index of channel d in row (t, h): base + d / gc (gc == D except on the token axis).
+  auto base_of = [&](int64_t t, int64_t h) { return ((t / box.gt) * box.nh + h / box.gh) * box.nc; };
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* r = x + (t * H + h) * D;
+      const int64_t b0 = base_of(t, h);
+      if (box.gc == 1) {  // channel axis: one box per channel
+        for (int64_t d = 0; d < D; ++d) mean[b0 + d] += r[d];
+      } else {
+        for (int64_t d = 0; d < D; ++d) mean[b0 + d / box.gc] += r[d];
+      }
+    }
+  for (std::size_t b = 0; b < nb; ++b) mean[b] *= inv_n;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* r = x + (t * H + h) * D;
+      const int64_t b0 = base_of(t, h);
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t b = b0 + d / box.gc;
+        const double dv = static_cast<double>(r[d]) - mean[b];
+        sd[b] += dv * dv;
+      }
+    }
+  for (std::size_t b = 0; b < nb; ++b) sd[b] = std::sqrt(sd[b] * inv_n);
+
+  // Selection per vector, then the non-selected range of every box.
+  std::fill(lo, lo + nb, std::numeric_limits<float>::infinity());
+  std::fill(hi, hi + nb, -std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const float* r = x + (t * H + h) * D;
+      const int64_t b0 = base_of(t, h);
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t b = b0 + d / box.gc;
+        score[d] = sd[b] > 0.0
+                       ? static_cast<float>(std::fabs(static_cast<double>(r[d]) - mean[b]) / sd[b])
+                       : 0.f;
+      }
+      int32_t* out = sel + (t * H + h) * k;
+      auto before = [&](int32_t a, int32_t b) {  // (score desc, channel asc)
+        return score[a] > score[b] || (score[a] == score[b] && a < b);
+      };
+      if (k <= 4) {
+        std::fill(mark, mark + D, uint8_t{0});
+        for (int64_t j = 0; j < k; ++j) {
+          int32_t best = -1;
+          for (int32_t d = 0; d < static_cast<int32_t>(D); ++d)
+            if (!mark[d] && (best < 0 || score[d] > score[best])) best = d;
+          mark[best] = 1;
+          out[j] = best;
+        }
+      } else {
+        std::iota(idx, idx + D, 0);
+        std::nth_element(idx, idx + (k - 1), idx + D, before);
+        std::copy(idx, idx + k, out);
+      }
+      std::sort(out, out + k);
+      std::fill(mark, mark + D, uint8_t{0});
+      for (int64_t j = 0; j < k; ++j) mark[out[j]] = 1;
+      for (int64_t d = 0; d < D; ++d) {
+        if (mark[d]) continue;
+        const int64_t b = b0 + d / box.gc;
+        lo[b] = std::min(lo[b], r[d]);
+        hi[b] = std::max(hi[b], r[d]);
+      }
+    }
+  // Values out, dense part in.
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      float* r = x + (t * H + h) * D;
+      const int64_t b0 = base_of(t, h);
+      const int32_t* s_ = sel + (t * H + h) * k;
+      float* v = vals + (t * H + h) * k;
+      for (int64_t j = 0; j < k; ++j) {
+        const int32_t d = s_[j];
+        const int64_t b = b0 + d / box.gc;
+        v[j] = r[d];
+        r[d] = lo[b] <= hi[b] ? std::min(std::max(r[d], lo[b]), hi[b])
+                              : static_cast<float>(mean[b]);
+      }
+    }
+}
+
+}  // namespace kvq

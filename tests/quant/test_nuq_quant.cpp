@@ -1,0 +1,121 @@
+// KVQ_TEST_SCALAR_TOO
+// Tests of quant/nuq_quant.hpp against reference/nuq_ref.hpp (identical bytes), round trips,
+// the uncalibrated-config error and the accountant.
+#include "kvq/quant/nuq_quant.hpp"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "kvq/accounting/accountant.hpp"
+#include "kvq/quant/quantize.hpp"
+#include "kvq/reference/nuq_ref.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+kvq::QuantConfig nuq_cfg(int bits, kvq::Axis axis, int64_t group) {
+  kvq::QuantConfig c;
+  c.format = kvq::Format::kNuq;
+  c.bits = bits;
+  c.axis = axis;
+  c.group = group;
+  // A non-uniform codebook: denser near the middle.
+  const int n = 1 << bits;
+  for (int i = 0; i < n; ++i) {
+    const double u = (i + 0.5) / n * 2.0 - 1.0;  // (-1, 1)
+    c.nuq_levels[static_cast<std::size_t>(i)] = static_cast<float>(0.5 + 0.5 * u * std::fabs(u));
+  }
+  c.nuq_ready = true;
+  return c;
+}
+
+struct Case {
+  int bits;
+  kvq::Axis axis;
+  int64_t group;
+};
+
+class NuqQuant : public ::testing::TestWithParam<Case> {};
+
+TEST_P(NuqQuant, MatchesOracleAndRoundTrips) {
+  const Case cs = GetParam();
+  const kvq::Shape s{32, 2, 64};
+  const auto x = kvq_test::kv_data(s, 5, true);
+  const kvq::QuantConfig cfg = nuq_cfg(cs.bits, cs.axis, cs.group);
+  const kvq::KVView<const float> xv(x.data(), s);
+  const kvq::QTensor fast = kvq::quantize(cfg, xv);
+  const kvq::QTensor ref = kvq::reference::quantize_nuq(cfg, xv);
+  EXPECT_EQ(fast.codes, ref.codes);
+  EXPECT_EQ(fast.scales, ref.scales);
+  EXPECT_EQ(fast.zeros, ref.zeros);
+  EXPECT_EQ(fast.bytes(), kvq::account(cfg, s).total());
+  std::vector<float> a(x.size()), b(x.size());
+  kvq::dequantize(fast, kvq::KVView<float>(a.data(), s));
+  kvq::reference::dequantize_nuq(ref, kvq::KVView<float>(b.data(), s));
+  EXPECT_EQ(a, b);
+  // With the uniform grid i / (2^b - 1) as its codebook, nuq is the asymmetric int format up to
+  // the rounding of the stored scale: same error within 5%.
+  kvq::QuantConfig grid = cfg;
+  const int n = 1 << cs.bits;
+  for (int i = 0; i < n; ++i) grid.nuq_levels[static_cast<std::size_t>(i)] = float(i) / float(n - 1);
+  kvq::QuantConfig ic = kvq_test::int_cfg(cs.bits, false, cs.axis, cs.group);
+  std::vector<float> g(x.size()), iq(x.size());
+  kvq::dequantize(kvq::quantize(grid, xv), kvq::KVView<float>(g.data(), s));
+  kvq::dequantize(kvq::quantize(ic, xv), kvq::KVView<float>(iq.data(), s));
+  EXPECT_LE(kvq_test::rel_mse(x, g), 1.05 * kvq_test::rel_mse(x, iq) + 1e-9);
+  // Token-range decode equals the slice of the whole decode.
+  std::vector<float> part(static_cast<std::size_t>(8 * 2 * 64));
+  kvq::QuantWorkspace ws;
+  kvq::dequantize_tokens(kvq::view_of(fast), 16, kvq::KVView<float>(part.data(), {8, 2, 64}), ws);
+  EXPECT_TRUE(std::equal(part.begin(), part.end(), a.begin() + 16 * 2 * 64));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, NuqQuant,
+                         ::testing::Values(Case{2, kvq::Axis::kToken, 32},
+                                           Case{3, kvq::Axis::kToken, 64},
+                                           Case{4, kvq::Axis::kToken, 16},
+                                           Case{2, kvq::Axis::kChannel, 32},
+                                           Case{3, kvq::Axis::kChannel, 16},
+                                           Case{4, kvq::Axis::kChannel, 8},
+                                           Case{3, kvq::Axis::kHead, 0},
+                                           Case{3, kvq::Axis::kTensor, 8}));
+
+TEST(NuqQuant, ConstantGroupsRoundTripExactly) {
+  const kvq::Shape s{4, 1, 32};
+  std::vector<float> x(static_cast<std::size_t>(s.numel()), 1.5f);
+  const auto cfg = nuq_cfg(3, kvq::Axis::kToken, 32);
+  std::vector<float> y(x.size());
+  kvq::dequantize(kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s)),
+                  kvq::KVView<float>(y.data(), s));
+  EXPECT_EQ(x, y);
+}
+
+TEST(NuqQuant, NeedsCalibration) {
+  auto cfg = nuq_cfg(3, kvq::Axis::kToken, 32);
+  cfg.nuq_ready = false;
+  const kvq::Shape s{2, 1, 32};
+  std::vector<float> x(static_cast<std::size_t>(s.numel()), 1.f);
+  try {
+    kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s));
+    FAIL() << "no throw";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.kind(), kvq::ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("calibrat"), std::string::npos) << e.what();
+  }
+  cfg = nuq_cfg(3, kvq::Axis::kToken, 32);
+  cfg.nuq_levels[3] = cfg.nuq_levels[2];  // not ascending
+  EXPECT_THROW(kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s)), kvq::Error);
+  cfg = nuq_cfg(3, kvq::Axis::kToken, 32);
+  cfg.bits = 5;
+  EXPECT_THROW(kvq::account(cfg, s), kvq::Error);
+}
+
+TEST(NuqQuant, EffectiveBitsLikeAsymmetricInt) {
+  const kvq::Shape s{32, 4, 128};
+  EXPECT_DOUBLE_EQ(kvq::effective_bits(nuq_cfg(3, kvq::Axis::kChannel, 32), s), 4.0);
+  EXPECT_DOUBLE_EQ(kvq::effective_bits(nuq_cfg(2, kvq::Axis::kToken, 32), s), 3.0);
+  EXPECT_EQ(kvq::nuq_codebook_bytes(3), 32u);
+}
+
+}  // namespace
