@@ -216,7 +216,7 @@ TEST(Spec, ErrorMessagesNameTheTokenAndWhatWasExpected) {
     EXPECT_EQ(std::string(e.what()),
               "kvq: parse error: unknown format 'int5' in 'k=int5/channel' (expected one of "
               "f32, f16, bf16, e4m3, e5m2, int2, int3, int4, int8, sint2, sint3, sint4, sint8, "
-              "lm1, lm2, lm3, lm4)");
+              "lm1, lm2, lm3, lm4, nuq2, nuq3, nuq4)");
   }
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"", "empty policy spec"},

@@ -15,12 +15,21 @@
 ///   field  := k | v | residual | sinks | skip | skipas | k@<layer> | v@<layer>
 ///   term   := fmt ('/' option)*          (k, v, skipas, k@L, v@L)
 ///   fmt    := f32 f16 bf16 e4m3 e5m2 int2 int3 int4 int8 sint2 sint3 sint4 sint8 lm1..lm4
-///   option := token | channel | head | tensor | g<N> | rot | qjl | f32meta
+///             nuq2 nuq3 nuq4
+///   option := token | channel | head | tensor | g<N> | rot | qjl | f32meta | out<N> | out<P>%
 ///   skip   := <N> | <N>:<M>                 first N and last M layers (N alone: M = N)
 ///
 /// Defaults for omitted parts: int/sint axis token, group 32; fp8 axis head, group 0 (all
 /// tokens of a stream block; per-head scale); Lloyd-Max takes no axis or group (one norm per
 /// vector) and always rotates; metadata fp16; residual, sinks and skip 0; skipped layers f32.
+/// nuq<b> (KVQuant non-uniform codebook, format/nuq.hpp) takes the int options (default axis
+/// token, group 32) and needs a calibrated codebook before it can quantize (kvq::calibrate /
+/// a calibration file: quant/calibrate.hpp); the spec names the format, not the codebook.
+/// out<N> / out<P>% (int, fp8, nuq) keep N, or ceil(P% x head_dim), outliers per vector exactly
+/// (quant/outlier_quant.hpp, docs/outliers.md).
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -94,12 +103,37 @@ inline QuantConfig lm_config(int bits, bool qjl = false) {
   return c;
 }
 
+/// KVQuant non-uniform codebook of 2^bits levels (uncalibrated: kvq::calibrate fills it).
+inline QuantConfig nuq_config(int bits, Axis axis = Axis::kToken,
+                              int64_t group = kDefaultIntGroup) {
+  QuantConfig c;
+  c.format = Format::kNuq;
+  c.bits = bits;
+  c.axis = axis;
+  c.group = group;
+  return c;
+}
+
 /// Throws kInvalidArgument unless `c` is a configuration the spec grammar can express (the
 /// domain of every Policy): int bits 2/3/4/8 with group >= 1; fp8 on the token, head or tensor
 /// axis with group >= 0; Lloyd-Max bits 1..4; QJL only where `allow_qjl` (keys). `role` names
 /// the config in messages ("key", "value", ...).
 inline void validate_config(const QuantConfig& c, const std::string& role, bool allow_qjl) {
+  const bool sparse_ok = c.format == Format::kInt || c.format == Format::kNuq ||
+                         c.format == Format::kE4M3 || c.format == Format::kE5M2;
+  KVQ_REQUIRE(c.outliers >= 0 && c.outliers <= kMaxSpecNumber && std::isfinite(c.outlier_pct) &&
+                  c.outlier_pct >= 0.f && c.outlier_pct <= 100.f,
+              kInvalidArgument, role, " config: outliers must be in [0, ", kMaxSpecNumber,
+              "] and outlier_pct in [0, 100], got ", c.outliers, " and ", c.outlier_pct);
+  KVQ_REQUIRE(sparse_ok || (c.outliers == 0 && c.outlier_pct == 0.f), kInvalidArgument, role,
+              " config: outliers apply to int, fp8 and nuq formats, not ", to_string(c.format));
   switch (c.format) {
+    case Format::kNuq:
+      check_nuq_bits(c.bits);
+      KVQ_REQUIRE(c.group >= 1 && c.group <= kMaxSpecNumber, kInvalidArgument, role,
+                  " config: nuq group size must be in [1, ", kMaxSpecNumber, "], got ", c.group);
+      if (c.nuq_ready) check_nuq_levels(c.nuq_levels.data(), c.bits, "nuq codebook");
+      return;
     case Format::kF32:
     case Format::kF16:
     case Format::kBF16:
@@ -135,7 +169,11 @@ inline void validate_config(const QuantConfig& c, const std::string& role, bool 
 /// formats, ...), so a hand-built config equals its parsed twin.
 inline bool same_config(const QuantConfig& a, const QuantConfig& b) {
   if (a.format != b.format) return false;
+  if (a.outliers != b.outliers || a.outlier_pct != b.outlier_pct) return false;
   switch (a.format) {
+    case Format::kNuq:  // codebooks compared when both are calibrated
+      return a.bits == b.bits && a.axis == b.axis && a.group == b.group && a.meta == b.meta &&
+             a.nuq_ready == b.nuq_ready && (!a.nuq_ready || a.nuq_levels == b.nuq_levels);
     case Format::kF32:
     case Format::kF16:
     case Format::kBF16:
@@ -178,6 +216,16 @@ inline std::string config_spec(const QuantConfig& c) {
       s = "lm" + std::to_string(c.bits) + "/rot";
       if (c.qjl) s += "/qjl";
       break;
+    case Format::kNuq:
+      s = "nuq" + std::to_string(c.bits) + "/" + to_string(c.axis) + "/g" + std::to_string(c.group);
+      break;
+  }
+  if (c.outlier_pct > 0.f) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "/out%g%%", static_cast<double>(c.outlier_pct));
+    s += buf;
+  } else if (c.outliers > 0) {
+    s += "/out" + std::to_string(c.outliers);
   }
   if (c.meta == MetaDType::kF32) s += "/f32meta";
   return s;
@@ -310,9 +358,9 @@ namespace detail {
 
 inline constexpr const char* kSpecFormats =
     "f32, f16, bf16, e4m3, e5m2, int2, int3, int4, int8, sint2, sint3, sint4, sint8, lm1, lm2, "
-    "lm3, lm4";
+    "lm3, lm4, nuq2, nuq3, nuq4";
 inline constexpr const char* kSpecOptions =
-    "an axis (token, channel, head, tensor), g<N>, rot, qjl or f32meta";
+    "an axis (token, channel, head, tensor), g<N>, rot, qjl, f32meta, out<N> or out<P>%";
 inline constexpr const char* kSpecFields =
     "k, v, residual, sinks, skip, skipas, k@<layer>, v@<layer>";
 
@@ -384,6 +432,10 @@ inline bool lookup_format(std::string_view f, QuantConfig& c) {
     c = lm_config(f[2] - '0');
     return true;
   }
+  if (f.size() == 4 && f.substr(0, 3) == "nuq" && f[3] >= '2' && f[3] <= '4') {
+    c = nuq_config(f[3] - '0');
+    return true;
+  }
   return false;
 }
 
@@ -410,7 +462,7 @@ inline QuantConfig parse_term(std::string_view term, std::string_view item, bool
   const bool raw = c.is_raw();
   const bool lm = c.format == Format::kLloydMax;
   const bool fp8 = c.format == Format::kE4M3 || c.format == Format::kE5M2;
-  std::string_view axis_seen, group_seen;
+  std::string_view axis_seen, group_seen, out_seen;
   bool rot = false, qjl = false, meta = false;
   for (std::size_t i = 1; i < parts.size(); ++i) {
     const std::string_view o = parts[i];
@@ -430,6 +482,34 @@ inline QuantConfig parse_term(std::string_view term, std::string_view item, bool
                   "tensor)");
       axis_seen = o;
       c.axis = axis;
+    } else if (o.substr(0, 3) == "out") {
+      KVQ_REQUIRE(c.format == Format::kInt || c.format == Format::kNuq || fp8, kParse, "'", o,
+                  "' in '", item, "': outliers apply to the int, fp8 and nuq formats, not '", fmt,
+                  "'");
+      KVQ_REQUIRE(out_seen.empty(), kParse, "outliers given twice ('", out_seen, "' and '", o,
+                  "') in '", item, "'");
+      out_seen = o;
+      std::string_view num = o.substr(3);
+      if (!num.empty() && num.back() == '%') {
+        num.remove_suffix(1);
+        // A decimal number: digits with at most one '.', in (0, 100].
+        bool ok = !num.empty() && num.size() <= 12 && num.front() != '.' && num.back() != '.';
+        int dots = 0;
+        for (char ch : num) {
+          if (ch == '.') ++dots;
+          else if (ch < '0' || ch > '9') ok = false;
+        }
+        KVQ_REQUIRE(ok && dots <= 1, kParse, "expected a percentage like out1% or out0.5% in '",
+                    item, "', got '", o, "'");
+        const double pct = std::strtod(std::string(num).c_str(), nullptr);
+        KVQ_REQUIRE(pct > 0.0 && pct <= 100.0, kParse, "outlier percentage must be in (0, 100] in '",
+                    item, "', got '", o, "'");
+        c.outlier_pct = static_cast<float>(pct);
+      } else {
+        const int64_t n = parse_spec_number(num, "the outlier count out<N>", item);
+        KVQ_REQUIRE(n >= 1, kParse, "outlier count must be >= 1 in '", o, "' of '", item, "'");
+        c.outliers = static_cast<int>(n);
+      }
     } else if (o[0] == 'g') {
       KVQ_REQUIRE(!raw, kParse, "format '", fmt, "' takes no group size ('", o, "' in '", item,
                   "'): unquantized formats have no scale groups");
