@@ -4,13 +4,17 @@
 /// (an archive, an offloaded page) hands to the kernels.
 ///
 /// Input layout: 9 header bytes, then the payload.
-///   0 format (mod 7)     1 bits selector          2 flags: bit0 symmetric, bit1 f32 meta,
-///   3 group selector     4 tokens - 1 (mod 8)          bit2 qjl, bits 3-4 axis
+///   0 format (mod 8)     1 bits selector          2 flags: bit0 symmetric, bit1 f32 meta,
+///   3 group selector     4 tokens - 1 (mod 8)          bit2 qjl, bits 3-4 axis, bits 5-6
+///                                                      outliers per vector (int/fp8/nuq)
 ///   5 heads - 1 (mod 2)  6 head_dim selector      7 seed selector   8 output kind
+/// then, for nuq, one byte per codebook level (ascending steps), then the payload.
 /// The config and shape are validated as kvq validates them (validate_config, packed_sizes,
 /// the Hadamard size for Lloyd-Max); every buffer is sized by size_for() (checked against the
 /// accountant) and filled from the payload (zeros once it runs out). Then:
-///   - int and fp8 decode bit-identically to the scalar reference oracles (reference/);
+///   - int, fp8 and nuq decode bit-identically to the scalar reference oracles (reference/),
+///     with dense-and-sparse outliers written over their positions (any position outside
+///     head_dim must be refused with kvq::Error);
 ///   - raw formats decode to the stored values;
 ///   - fp16 and bf16 outputs equal the f32 output rounded, a strided (HND) output equals the
 ///     contiguous one, and a token range decoded alone (dequantize_tokens) equals its rows;
@@ -27,9 +31,11 @@
 #include "kvq/accounting/accountant.hpp"
 #include "kvq/core/half.hpp"
 #include "kvq/format/fp8.hpp"
+#include "kvq/format/nuq.hpp"
 #include "kvq/policy/spec.hpp"
 #include "kvq/quant/quantize.hpp"
 #include "kvq/reference/fp8_quant_ref.hpp"
+#include "kvq/reference/nuq_ref.hpp"
 #include "kvq/reference/uniform_ref.hpp"
 
 namespace {
@@ -58,6 +64,15 @@ bool fp8_codes_finite(const kvq::QTensor& q) {
   return true;
 }
 
+bool outliers_finite(const kvq::QTensor& q) {
+  for (std::size_t i = 0; i + 1 < q.outlier_values.size(); i += 2) {
+    uint16_t h;
+    std::memcpy(&h, q.outlier_values.data() + i, 2);
+    if (!std::isfinite(kvq::half_bits_to_float(h))) return false;
+  }
+  return true;
+}
+
 bool raw_codes_finite(const kvq::QTensor& q) {
   const std::size_t n = static_cast<std::size_t>(q.shape.numel());
   for (std::size_t i = 0; i < n; ++i) {
@@ -81,7 +96,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 9) return 0;
   kvq::fuzz::ByteReader in(data, size);
   kvq::QuantConfig c;
-  c.format = static_cast<kvq::Format>(in.u8() % 7);
+  c.format = static_cast<kvq::Format>(in.u8() % 8);
   const uint8_t bits_sel = in.u8();
   const uint8_t flags = in.u8();
   const uint8_t group_sel = in.u8();
@@ -95,11 +110,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static constexpr int kIntBits[] = {2, 3, 4, 8};
   c.bits = c.format == kvq::Format::kInt        ? kIntBits[bits_sel % 4]
            : c.format == kvq::Format::kLloydMax ? 1 + bits_sel % 4
+           : c.format == kvq::Format::kNuq      ? 2 + bits_sel % 3
                                                 : 8;
   c.symmetric = flags & 1;
   c.meta = (flags & 2) ? kvq::MetaDType::kF32 : kvq::MetaDType::kF16;
   c.qjl = c.format == kvq::Format::kLloydMax && (flags & 4);
   c.axis = static_cast<kvq::Axis>((flags >> 3) & 3);
+  const bool dense_sparse = c.format == kvq::Format::kInt || c.format == kvq::Format::kNuq ||
+                            c.format == kvq::Format::kE4M3 || c.format == kvq::Format::kE5M2;
+  if (dense_sparse) c.outliers = (flags >> 5) & 3;  // 0..3 exact entries per vector
+  if (c.format == kvq::Format::kNuq) {  // an ascending codebook derived from the payload
+    c.nuq_ready = true;
+    float level = -1.f;
+    for (int i = 0; i < (1 << c.bits); ++i) {
+      c.nuq_levels[static_cast<std::size_t>(i)] = level;
+      level += static_cast<float>(1 + in.u8()) / 128.f;
+    }
+  }
   // The group: a divisor of the axis extent (or 0, "whole extent", where the format allows it).
   const int64_t extent = c.axis == kvq::Axis::kToken ? s.head_dim : s.tokens;
   std::vector<int64_t> divisors;
@@ -109,7 +136,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   c.group = divisors[group_sel % divisors.size()];
 
   try {  // validation, as kvq does it before it stores or reads a block
-    kvq::validate_config(c, "fuzzed", true);
+    if (c.format == kvq::Format::kNuq) {
+      kvq::check_nuq_levels(c.nuq_levels.data(), c.bits);
+    } else {
+      kvq::validate_config(c, "fuzzed", true);
+    }
     (void)kvq::packed_sizes(c, s);  // bits, group box, sizes
     if (c.format == kvq::Format::kLloydMax) kvq::detail::check_lloyd_max(c, s);
   } catch (const kvq::Error&) {
@@ -125,6 +156,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   in.fill(q.norms.data(), q.norms.bytes());
   in.fill(q.qjl_signs.data(), q.qjl_signs.size());
   in.fill(q.qjl_norms.data(), q.qjl_norms.bytes());
+  in.fill(q.outlier_values.data(), q.outlier_values.size());
+  in.fill(q.outlier_pos.data(), q.outlier_pos.size());
   KVQ_FUZZ_CHECK(q.breakdown() == kvq::account(c, s));
 
   const std::size_t n = static_cast<std::size_t>(s.numel());
@@ -132,22 +165,40 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     kvq::dequantize(q, kvq::KVView<float>::nhd(out.data(), s.tokens, s.heads, s.head_dim));
   } catch (const kvq::Error&) {
-    // A clean refusal is allowed, though it means validation let through a block the decoder
-    // cannot read (corpus/packed/crash-packed-lm-head-dim-1: Lloyd-Max with head_dim 1 passes
+    // A clean refusal is allowed: an outlier position outside head_dim is data corruption the
+    // decoder names. Otherwise it means validation let through a block the decoder cannot
+    // read (corpus/packed/crash-packed-lm-head-dim-1: Lloyd-Max with head_dim 1 passes
     // check_lloyd_max, a power of two, but the sphere codebook needs d >= 3).
     return 0;
   }
 
-  // Oracles.
-  if (c.format == kvq::Format::kInt || c.format == kvq::Format::kE4M3 ||
-      c.format == kvq::Format::kE5M2) {
+  // Oracles: the scalar reference decoders for the dense part, then each outlier entry written
+  // over its position in order (fp16 value, exactly).
+  if (dense_sparse) {
+    kvq::QTensor dense = q;
+    dense.config.outliers = 0;
+    dense.outlier_values.clear();
+    dense.outlier_pos.clear();
     std::vector<float> ref(n);
     const auto rv = kvq::KVView<float>::nhd(ref.data(), s.tokens, s.heads, s.head_dim);
     if (c.format == kvq::Format::kInt) {
-      kvq::reference::dequantize_uniform(q, rv);
+      kvq::reference::dequantize_uniform(dense, rv);
+    } else if (c.format == kvq::Format::kNuq) {
+      kvq::reference::dequantize_nuq(dense, rv);
     } else {
-      kvq::reference::dequantize_fp8(q, rv);
+      kvq::reference::dequantize_fp8(dense, rv);
     }
+    const int64_t k = c.outliers, D = s.head_dim;
+    const int pb = kvq::outlier_pos_bytes(D);
+    for (int64_t v = 0; v < s.tokens * s.heads; ++v)
+      for (int64_t j = 0; j < k; ++j) {
+        uint16_t hb;
+        std::memcpy(&hb, q.outlier_values.data() + 2 * (v * k + j), 2);
+        const uint8_t* p = q.outlier_pos.data() + pb * (v * k + j);
+        const int64_t d = pb == 1 ? p[0] : (p[0] | (p[1] << 8));
+        KVQ_FUZZ_CHECK(d < D);  // dequantize refused anything else
+        ref[static_cast<std::size_t>(v * D + d)] = kvq::half_bits_to_float(hb);
+      }
     for (std::size_t i = 0; i < n; ++i) KVQ_FUZZ_CHECK(same_float(out[i], ref[i]));
   }
   if (c.is_raw()) {
@@ -218,11 +269,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       guaranteed = raw_codes_finite(q);
       break;
     case kvq::Format::kInt:
-      guaranteed = meta_bounded(q.scales) && meta_bounded(q.zeros);
+    case kvq::Format::kNuq:
+      guaranteed = meta_bounded(q.scales) && meta_bounded(q.zeros) && outliers_finite(q);
       break;
     case kvq::Format::kE4M3:
     case kvq::Format::kE5M2:
-      guaranteed = meta_bounded(q.scales) && fp8_codes_finite(q);
+      guaranteed = meta_bounded(q.scales) && fp8_codes_finite(q) && outliers_finite(q);
       break;
     case kvq::Format::kLloydMax:
       guaranteed = meta_bounded(q.norms) && meta_bounded(q.qjl_norms);
@@ -231,5 +283,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (guaranteed) {
     for (float v : out) KVQ_FUZZ_CHECK(std::isfinite(v));
   }
+#ifdef KVQ_FUZZ_TRACE  // which seeds reach the end (checking a corpus by hand)
+  std::fprintf(stderr, "decoded %s %s\n", c.name().c_str(), s.str().c_str());
+#endif
   return 0;
 }

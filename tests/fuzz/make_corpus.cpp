@@ -167,6 +167,8 @@ void packed_seeds() {
     const char* name;
     const char* term;
     uint8_t tokens, heads, dim_sel, out_kind;
+    int outliers = 0;  ///< dense-and-sparse entries per vector
+    int nuq_bits = 0;  ///< > 0: the term is replaced by nuq<bits> on its axis and group
   };
   // dim_sel indexes fuzz_packed.cpp's kHeadDims: 3 -> 4, 5 -> 8, 7 -> 16, 9 -> 32.
   const Case cases[] = {
@@ -182,10 +184,30 @@ void packed_seeds() {
       {"lm3", "lm3", 2, 2, 5, 0},
       {"lm2_qjl", "lm2/qjl", 1, 2, 7, 1},
       {"lm4_f32meta", "lm4/f32meta", 2, 1, 9, 2},
+      {"int4_token_g8_out2", "int4/token/g8", 2, 2, 7, 1, 2},
+      {"e4m3_token_out1", "e4m3/token", 2, 1, 5, 3, 1},
+      {"nuq3_token_g8", "int3/token/g8", 2, 1, 5, 0, 0, 3},
+      {"nuq2_channel_g4_out3_f32meta", "int2/channel/g4/f32meta", 4, 2, 7, 2, 3, 2},
   };
   const int64_t dims[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32};
   for (const Case& cs : cases) {
-    const kvq::QuantConfig c = kvq::parse_quant_config(cs.term);
+    kvq::QuantConfig c = kvq::parse_quant_config(cs.term);
+    c.outliers = cs.outliers;
+    // nuq levels as fuzz_packed derives them: -1, then steps of (1 + byte) / 128.
+    std::vector<uint8_t> level_steps;
+    if (cs.nuq_bits > 0) {
+      c.format = kvq::Format::kNuq;
+      c.bits = cs.nuq_bits;
+      c.nuq_ready = true;
+      const int levels = 1 << c.bits;
+      const auto step = static_cast<uint8_t>(256 / (levels - 1) - 1);  // spans about [-1, 1]
+      float level = -1.f;
+      for (int i = 0; i < levels; ++i) {
+        c.nuq_levels[static_cast<std::size_t>(i)] = level;
+        level += static_cast<float>(1 + step) / 128.f;
+        level_steps.push_back(step);
+      }
+    }
     const kvq::Shape s{cs.tokens, cs.heads, dims[cs.dim_sel]};
     std::vector<float> x(static_cast<std::size_t>(s.numel()));
     std::mt19937 rng(7);
@@ -194,14 +216,15 @@ void packed_seeds() {
     const kvq::QTensor q =
         kvq::quantize(c, kvq::KVView<const float>::nhd(x.data(), s.tokens, s.heads, s.head_dim));
     // Header: format, bits selector, flags, group selector, tokens-1, heads-1, dim, seed, out.
-    const uint8_t bits_sel = c.format == kvq::Format::kInt ? (c.bits == 2   ? 0
-                                                              : c.bits == 3 ? 1
-                                                              : c.bits == 4 ? 2
-                                                                            : 3)
-                                                           : static_cast<uint8_t>(c.bits - 1);
+    const uint8_t bits_sel = c.format == kvq::Format::kInt   ? (c.bits == 2   ? 0
+                                                                : c.bits == 3 ? 1
+                                                                : c.bits == 4 ? 2
+                                                                              : 3)
+                             : c.format == kvq::Format::kNuq ? static_cast<uint8_t>(c.bits - 2)
+                                                             : static_cast<uint8_t>(c.bits - 1);
     const uint8_t flags =
         static_cast<uint8_t>((c.symmetric ? 1 : 0) | (c.meta == kvq::MetaDType::kF32 ? 2 : 0) |
-                             (c.qjl ? 4 : 0) | (static_cast<int>(c.axis) << 3));
+                             (c.qjl ? 4 : 0) | (static_cast<int>(c.axis) << 3) | (c.outliers << 5));
     // Group selector: index of c.group among fuzz_packed's candidate list (0 first for
     // non-int formats, then the divisors of the axis extent in increasing order).
     const int64_t extent = c.axis == kvq::Axis::kToken ? s.head_dim : s.tokens;
@@ -222,12 +245,15 @@ void packed_seeds() {
                               0,
                               cs.out_kind};
     auto add = [&](const std::vector<uint8_t>& v) { b.insert(b.end(), v.begin(), v.end()); };
+    add(level_steps);
     add(q.codes);
     add(q.scales.raw());
     add(q.zeros.raw());
     add(q.norms.raw());
     add(q.qjl_signs);
     add(q.qjl_norms.raw());
+    add(q.outlier_values);
+    add(q.outlier_pos);
     put("packed", cs.name, b);
   }
 }
