@@ -1,0 +1,664 @@
+// Tests of the CUDA kernel layer (include/kvq/kernels/cuda/) against the CPU implementation.
+//
+// Two kinds:
+//  - HostEmulated.*: the per-thread bodies of the elementwise kernels (append params / encode /
+//    pack, dequantize) are KVQ_HOST_DEVICE functions; here they run on the host, compiled by
+//    nvcc, over the whole emulated grid, and must give the bytes quantize_page() and the
+//    values dequantize_page() give. Plan checks that need no device run here too. These run in
+//    CI on GPU-less machines.
+//  - Gpu.*: the real kernels on a device: quantize-append bit-exact against quantize_page (same
+//    page bytes, padding included) for int/fp8/raw/Lloyd-Max configs, random and adversarial
+//    inputs; dequantize bit-exact against dequantize_page (f32/f16/bf16); batched decode
+//    attention within 1e-3 relative of a double-precision reference over the CPU-dequantized
+//    pages; non-finite input reported by AppendPlan::check. Each GTEST_SKIPs with the reason
+//    when no CUDA device is visible.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <kvq/kernels/cuda/kvq_cuda.cuh>
+#include <kvq/kvq.hpp>
+
+namespace {
+
+using kvq::Axis;
+using kvq::Format;
+using kvq::PageLayout;
+using kvq::QuantConfig;
+
+QuantConfig int_cfg(int bits, Axis axis, int64_t group, bool sym = false,
+                    kvq::MetaDType meta = kvq::MetaDType::kF16) {
+  QuantConfig c;
+  c.format = Format::kInt;
+  c.bits = bits;
+  c.axis = axis;
+  c.group = group;
+  c.symmetric = sym;
+  c.meta = meta;
+  return c;
+}
+QuantConfig fp8_cfg(bool e5m2, Axis axis, int64_t group = 0, float margin = 1.f) {
+  QuantConfig c;
+  c.format = e5m2 ? Format::kE5M2 : Format::kE4M3;
+  c.bits = 8;
+  c.axis = axis;
+  c.group = group;
+  c.fp8_margin = margin;
+  return c;
+}
+QuantConfig raw_cfg(Format f) {
+  QuantConfig c;
+  c.format = f;
+  c.bits = f == Format::kF32 ? 32 : 16;
+  return c;
+}
+QuantConfig lm_cfg(int bits, kvq::MetaDType meta = kvq::MetaDType::kF16) {
+  QuantConfig c;
+  c.format = Format::kLloydMax;
+  c.bits = bits;
+  c.meta = meta;
+  return c;
+}
+
+struct Pair {
+  std::string name;
+  QuantConfig k, v;
+};
+
+/// Key/value config pairs of the elementwise formats (no Lloyd-Max).
+std::vector<Pair> elementwise_pairs() {
+  using kvq::MetaDType;
+  return {
+      {"int4 token g32 / int4 token g32", int_cfg(4, Axis::kToken, 32), int_cfg(4, Axis::kToken, 32)},
+      {"int2 token g16 / int3 token g32", int_cfg(2, Axis::kToken, 16), int_cfg(3, Axis::kToken, 32)},
+      {"int8 channel g16 / int4 token (kivi-like k8v4)", int_cfg(8, Axis::kChannel, 16),
+       int_cfg(4, Axis::kToken, 0)},
+      {"int4 channel g32 / int2 token g32", int_cfg(4, Axis::kChannel, 32), int_cfg(2, Axis::kToken, 32)},
+      {"int3 channel g16 sym / int3 token g0 sym", int_cfg(3, Axis::kChannel, 16, true),
+       int_cfg(3, Axis::kToken, 0, true)},
+      {"int4 head g16 f32meta / int8 tensor g16", int_cfg(4, Axis::kHead, 16, false, MetaDType::kF32),
+       int_cfg(8, Axis::kTensor, 16)},
+      {"e4m3 token / e5m2 head g16", fp8_cfg(false, Axis::kToken), fp8_cfg(true, Axis::kHead, 16)},
+      {"e4m3 channel g16 margin 1.25 / e4m3 token g32", fp8_cfg(false, Axis::kChannel, 16, 1.25f),
+       fp8_cfg(false, Axis::kToken, 32)},
+      {"f16 / bf16", raw_cfg(Format::kF16), raw_cfg(Format::kBF16)},
+      {"f32 / int4 token g32", raw_cfg(Format::kF32), int_cfg(4, Axis::kToken, 32)},
+  };
+}
+std::vector<Pair> lm_pairs() {
+  return {{"lm4 / lm4", lm_cfg(4), lm_cfg(4)},
+          {"lm1 / lm2 f32meta", lm_cfg(1), lm_cfg(2, kvq::MetaDType::kF32)},
+          {"lm3 / int4 token g32", lm_cfg(3), int_cfg(4, Axis::kToken, 32)}};
+}
+
+enum class Input { kGaussian, kOutlierChannels, kConstantGroups, kTinyAndZero, kLarge };
+const char* to_string(Input i) {
+  switch (i) {
+    case Input::kGaussian: return "gaussian";
+    case Input::kOutlierChannels: return "outlier channels";
+    case Input::kConstantGroups: return "constant groups";
+    case Input::kTinyAndZero: return "tiny, subnormal and signed zeros";
+    case Input::kLarge: return "large (fp16-range) values";
+  }
+  return "?";
+}
+const Input kInputs[] = {Input::kGaussian, Input::kOutlierChannels, Input::kConstantGroups,
+                         Input::kTinyAndZero, Input::kLarge};
+
+std::vector<float> make_input(Input kind, int64_t n, int64_t H, int64_t D, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x(static_cast<std::size_t>(n * H * D));
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        float v = nd(rng);
+        switch (kind) {
+          case Input::kGaussian: break;
+          case Input::kOutlierChannels: v *= (d % 17 == 3) ? 40.f : 1.f; break;
+          case Input::kConstantGroups: v = (t % 3 == 0) ? 0.75f : ((h + d / 16) % 2 ? -2.f : v); break;
+          case Input::kTinyAndZero: {
+            const int r = static_cast<int>(rng() % 4);
+            v = r == 0 ? 0.f : (r == 1 ? -0.f : v * 1e-6f * (r == 2 ? 1e-3f : 1.f));
+            break;
+          }
+          case Input::kLarge: v *= 3000.f; break;
+        }
+        x[static_cast<std::size_t>((t * H + h) * D + d)] = v;
+      }
+  return x;
+}
+
+using Pages = std::vector<std::vector<std::byte>>;
+
+Pages zero_pages(const PageLayout& L, int64_t n_pages) {
+  return Pages(static_cast<std::size_t>(n_pages), std::vector<std::byte>(L.bytes, std::byte{0}));
+}
+
+/// CPU: quantize tokens [pos, pos + n) of x (f32 [n, H, D]) into the sequence's pages.
+void cpu_append(const PageLayout& L, Pages& pages, int64_t pos, const std::vector<float>& k,
+                const std::vector<float>& v, int64_t n) {
+  kvq::QuantWorkspace ws;
+  const int64_t H = L.kv_heads, D = L.head_dim;
+  for (int64_t t = pos; t < pos + n;) {
+    const int64_t p = t / L.page_tokens, tp = t % L.page_tokens;
+    const int64_t m = std::min(L.page_tokens - tp, pos + n - t);
+    const float* kp = k.data() + (t - pos) * H * D;
+    const float* vp = v.data() + (t - pos) * H * D;
+    kvq::quantize_page(L, pages[static_cast<std::size_t>(p)].data(), tp,
+                       kvq::KVView<const float>::nhd(kp, m, H, D),
+                       kvq::KVView<const float>::nhd(vp, m, H, D), ws);
+    t += m;
+  }
+}
+
+/// CPU: dequantize the first `tokens` tokens into f32 [tokens, H, D] (keys and values).
+template <class T>
+void cpu_dequantize(const PageLayout& L, const Pages& pages, int64_t tokens, std::vector<T>& k,
+                    std::vector<T>& v) {
+  kvq::QuantWorkspace ws;
+  const int64_t H = L.kv_heads, D = L.head_dim;
+  k.assign(static_cast<std::size_t>(tokens * H * D), T{});
+  v.assign(k.size(), T{});
+  for (int64_t p = 0; p * L.page_tokens < tokens; ++p) {
+    const int64_t filled = std::min(L.page_tokens, tokens - p * L.page_tokens);
+    kvq::dequantize_page(L, pages[static_cast<std::size_t>(p)].data(), filled, 0, filled,
+                         kvq::KVView<T>::nhd(k.data() + p * L.page_tokens * H * D, filled, H, D),
+                         kvq::KVView<T>::nhd(v.data() + p * L.page_tokens * H * D, filled, H, D),
+                         ws);
+  }
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+/// First differing byte of two page sets, as a message ("" when equal).
+std::string first_difference(const PageLayout& L, const Pages& a, const Pages& b) {
+  for (std::size_t p = 0; p < a.size(); ++p)
+    for (std::size_t i = 0; i < L.bytes; ++i)
+      if (a[p][i] != b[p][i]) {
+        const char* region = "padding";
+        const kvq::TensorRegions* rs[2] = {&L.k, &L.v};
+        const char* names[6] = {"codes", "scales", "zeros", "norms", "qjl_signs", "qjl_norms"};
+        for (int t = 0; t < 2; ++t) {
+          const kvq::PageRegion* r[6] = {&rs[t]->codes, &rs[t]->scales, &rs[t]->zeros,
+                                         &rs[t]->norms, &rs[t]->qjl_signs, &rs[t]->qjl_norms};
+          for (int j = 0; j < 6; ++j)
+            if (i >= r[j]->offset && i < r[j]->offset + r[j]->bytes) region = names[j];
+        }
+        return "page " + std::to_string(p) + " byte " + std::to_string(i) + " (" + region +
+               "): expected " + std::to_string(static_cast<int>(a[p][i])) + ", got " +
+               std::to_string(static_cast<int>(b[p][i]));
+      }
+  return "";
+}
+
+std::vector<std::byte*> page_ptrs(Pages& pages) {
+  std::vector<std::byte*> p;
+  for (auto& v : pages) p.push_back(v.data());
+  return p;
+}
+
+/// Host emulation of AppendPlan::run for the elementwise formats: every thread of every pass.
+void emulated_append(const PageLayout& layout, Pages& pages, int64_t pos,
+                     const std::vector<float>& k, const std::vector<float>& v, int64_t n,
+                     kvq::cuda::AppendStatus& st) {
+  const kvq::cuda::PagedDesc L = kvq::cuda::make_paged_desc(layout);
+  std::vector<std::byte*> ptrs = page_ptrs(pages);
+  std::vector<uint8_t> scratch(static_cast<std::size_t>(n * L.H * L.D));
+  const kvq::cuda::TensorDesc* X[2] = {&L.k, &L.v};
+  const std::vector<float>* in[2] = {&k, &v};
+  for (int t = 0; t < 2; ++t) {
+    const auto f = static_cast<Format>(X[t]->format);
+    if (f == Format::kInt || f == Format::kE4M3 || f == Format::kE5M2) {
+      const int64_t boxes = n / X[t]->gt * X[t]->nh * X[t]->nc;
+      for (int64_t i = 0; i < boxes; ++i)
+        kvq::cuda::detail::append_params(*X[t], L, ptrs.data(), pos, in[t]->data(), i, &st, t);
+    }
+    if (st.code != 0) return;
+    for (int64_t i = 0; i < n * L.H * L.D; ++i)
+      kvq::cuda::detail::append_encode(*X[t], L, ptrs.data(), pos, in[t]->data(), i,
+                                       scratch.data());
+    if (f == Format::kInt && X[t]->bits < 8) {
+      for (int64_t i = 0; i < n * L.H * L.D * X[t]->bits / 8; ++i)
+        kvq::cuda::detail::append_pack(*X[t], L, ptrs.data(), pos, i, scratch.data());
+    }
+  }
+}
+
+constexpr int64_t kP = 64, kH = 2, kD = 64;
+
+TEST(HostEmulated, AppendWritesTheBytesOfQuantizePage) {
+  for (const Pair& pr : elementwise_pairs()) {
+    const PageLayout L = kvq::make_page_layout(pr.k, pr.v, kP, kH, kD);
+    for (Input in : kInputs) {
+      SCOPED_TRACE(pr.name + ", " + to_string(in));
+      // Two appends: a full page, then 1.5 pages starting mid-page (crosses a boundary).
+      const int64_t n1 = kP, n2 = kP + kP / 2;
+      auto k1 = make_input(in, n1, kH, kD, 1), v1 = make_input(in, n1, kH, kD, 2);
+      auto k2 = make_input(in, n2, kH, kD, 3), v2 = make_input(in, n2, kH, kD, 4);
+      Pages cpu = zero_pages(L, 3), emu = zero_pages(L, 3);
+      if (pr.k.format == Format::kLloydMax) continue;
+      if (n2 % L.granule != 0) continue;
+      cpu_append(L, cpu, 0, k1, v1, n1);
+      cpu_append(L, cpu, n1, k2, v2, n2);
+      kvq::cuda::AppendStatus st;
+      emulated_append(L, emu, 0, k1, v1, n1, st);
+      emulated_append(L, emu, n1, k2, v2, n2, st);
+      ASSERT_EQ(st.code, 0);
+      EXPECT_EQ(first_difference(L, cpu, emu), "");
+    }
+  }
+}
+
+TEST(HostEmulated, AppendReportsNonFiniteAndOverflowLikeTheCpu) {
+  const QuantConfig c = int_cfg(4, Axis::kToken, 32);
+  const PageLayout L = kvq::make_page_layout(c, c, kP, kH, kD);
+  auto k = make_input(Input::kGaussian, kP, kH, kD, 5), v = k;
+  Pages pages = zero_pages(L, 1);
+  k[77] = NAN;
+  kvq::cuda::AppendStatus st;
+  emulated_append(L, pages, 0, k, v, kP, st);
+  EXPECT_EQ(st.code, static_cast<int32_t>(kvq::elem::ElementStatus::kNonFinite));
+  EXPECT_EQ(st.where, 77);
+  EXPECT_THROW(kvq::cuda::AppendPlan::throw_status(st), kvq::Error);
+  try {
+    kvq::cuda::AppendPlan::throw_status(st);
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.kind(), kvq::ErrorKind::kNonFinite);
+  }
+  // fp16 metadata overflow: the CPU throws kOutOfRange, the emulated kernel reports it.
+  k[77] = 1e6f;
+  kvq::cuda::AppendStatus st2;
+  emulated_append(L, pages, 0, k, v, kP, st2);
+  EXPECT_EQ(st2.code, static_cast<int32_t>(kvq::elem::ElementStatus::kScaleOverflow));
+  Pages cpu = zero_pages(L, 1);
+  try {
+    cpu_append(L, cpu, 0, k, v, kP);
+    ADD_FAILURE() << "the CPU accepted a group beyond fp16 metadata";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
+  }
+}
+
+TEST(HostEmulated, DequantizeGivesTheBitsOfDequantizePage) {
+  for (const Pair& pr : elementwise_pairs()) {
+    SCOPED_TRACE(pr.name);
+    const PageLayout L = kvq::make_page_layout(pr.k, pr.v, kP, kH, kD);
+    const kvq::cuda::PagedDesc desc = kvq::cuda::make_paged_desc(L);
+    const int64_t tokens = 2 * kP + (kP / 2 / L.granule) * L.granule;
+    Pages pages = zero_pages(L, 3);
+    cpu_append(L, pages, 0, make_input(Input::kOutlierChannels, tokens, kH, kD, 7),
+               make_input(Input::kGaussian, tokens, kH, kD, 8), tokens);
+    std::vector<std::byte*> ptrs = page_ptrs(pages);
+    std::vector<const std::byte*> cptrs(ptrs.begin(), ptrs.end());
+    auto check = [&](auto tag) {
+      using T = decltype(tag);
+      std::vector<T> ck, cv;
+      cpu_dequantize(L, pages, tokens, ck, cv);
+      std::vector<T> gk(ck.size()), gv(cv.size());
+      for (int64_t i = 0; i < static_cast<int64_t>(ck.size()); ++i) {
+        kvq::cuda::detail::dequantize_element(desc.k, cptrs.data(), kP, kH, kD, i, gk.data());
+        kvq::cuda::detail::dequantize_element(desc.v, cptrs.data(), kP, kH, kD, i, gv.data());
+      }
+      EXPECT_TRUE(same_bits(ck, gk)) << "keys";
+      EXPECT_TRUE(same_bits(cv, gv)) << "values";
+    };
+    check(float{});
+    check(kvq::f16{});
+    check(kvq::bf16{});
+  }
+}
+
+TEST(HostEmulated, PlansRejectWhatTheKernelsDoNotImplement) {
+  auto kind_of = [](auto&& f) {
+    try {
+      f();
+    } catch (const kvq::Error& e) {
+      return static_cast<int>(e.kind());
+    }
+    return -1;
+  };
+  const int unsupported = static_cast<int>(kvq::ErrorKind::kUnsupported);
+  const int invalid = static_cast<int>(kvq::ErrorKind::kInvalidArgument);
+  QuantConfig qjl = lm_cfg(3);
+  qjl.qjl = true;
+  EXPECT_EQ(kind_of([&] { kvq::cuda::make_paged_desc(kvq::make_page_layout(qjl, qjl, kP, kH, kD)); }),
+            unsupported);
+  EXPECT_EQ(kind_of([&] {  // two-stage Hadamard (head_dim 96) is CPU only
+              kvq::cuda::make_paged_desc(kvq::make_page_layout(lm_cfg(4), lm_cfg(4), kP, kH, 96));
+            }),
+            unsupported);
+  QuantConfig out = int_cfg(4, Axis::kToken, 32);
+  out.outliers = 2;
+  EXPECT_EQ(kind_of([&] { kvq::cuda::make_paged_desc(kvq::make_page_layout(out, out, kP, kH, kD)); }),
+            unsupported);
+  const QuantConfig c = int_cfg(4, Axis::kChannel, 16);
+  const PageLayout L = kvq::make_page_layout(c, c, kP, kH, kD);
+  EXPECT_EQ(kind_of([&] { kvq::cuda::DecodePlan(L, 1, 3, 100); }), invalid);  // 3 % 2 != 0
+  EXPECT_EQ(kind_of([&] { kvq::cuda::DecodePlan(L, 0, 4, 100); }), invalid);
+  EXPECT_EQ(kind_of([&] {
+              kvq::cuda::DecodePlan(kvq::make_page_layout(c, c, kP, kH, 512), 1, 2, 100);
+            }),
+            unsupported);
+  kvq::cuda::AppendPlan ap(L, 64);
+  // Range checks come before any CUDA call, so they run without a device too.
+  EXPECT_EQ(kind_of([&] {
+              ap.run<float>(reinterpret_cast<void*>(16), reinterpret_cast<std::byte* const*>(16), 8,
+                            reinterpret_cast<const float*>(16), reinterpret_cast<const float*>(16),
+                            16);
+            }),
+            invalid);  // pos 8 is not a multiple of the granule 16
+  EXPECT_EQ(kind_of([&] {
+              ap.run<float>(reinterpret_cast<void*>(16), reinterpret_cast<std::byte* const*>(16), 0,
+                            reinterpret_cast<const float*>(16), reinterpret_cast<const float*>(16),
+                            128);
+            }),
+            invalid);  // beyond max_new_tokens
+  const kvq::cuda::DecodePlan dp(L, 4, 8, 40000, 0, 132);
+  EXPECT_GE(dp.splits(), 1);
+  EXPECT_GE(dp.split_tokens() * dp.splits(), 40000);
+  EXPECT_EQ(dp.split_tokens() % 64, 0);
+}
+
+// ----------------------------------------------------------------------------------------------
+// On a device.
+
+#define KVQ_REQUIRE_GPU()                                                                     \
+  do {                                                                                        \
+    if (kvq::cuda::visible_devices() == 0)                                                    \
+      GTEST_SKIP() << "no CUDA device visible: the kernels are compiled but not run here "    \
+                      "(run bench/cuda/run_device_checks.sh on a machine with a GPU)";        \
+  } while (0)
+
+#define CK(x) ASSERT_EQ((x), cudaSuccess) << #x << ": " << cudaGetErrorString(x)
+
+/// Device copies of a sequence's pages and of its page pointer array.
+struct DevPages {
+  std::vector<std::byte*> ptrs;
+  std::byte** table = nullptr;
+  std::size_t bytes = 0;
+  DevPages(const PageLayout& L, int64_t n) : bytes(L.bytes) {
+    for (int64_t i = 0; i < n; ++i) {
+      std::byte* p = nullptr;
+      cudaMalloc(&p, bytes);
+      cudaMemset(p, 0, bytes);
+      ptrs.push_back(p);
+    }
+    cudaMalloc(&table, sizeof(std::byte*) * ptrs.size());
+    cudaMemcpy(table, ptrs.data(), sizeof(std::byte*) * ptrs.size(), cudaMemcpyHostToDevice);
+  }
+  ~DevPages() {
+    for (auto* p : ptrs) cudaFree(p);
+    cudaFree(table);
+  }
+  void upload(const Pages& h) {
+    for (std::size_t i = 0; i < ptrs.size(); ++i)
+      cudaMemcpy(ptrs[i], h[i].data(), bytes, cudaMemcpyHostToDevice);
+  }
+  Pages download() const {
+    Pages h(ptrs.size(), std::vector<std::byte>(bytes));
+    for (std::size_t i = 0; i < ptrs.size(); ++i)
+      cudaMemcpy(h[i].data(), ptrs[i], bytes, cudaMemcpyDeviceToHost);
+    return h;
+  }
+};
+
+template <class T>
+T* to_device(const std::vector<T>& h) {
+  T* d = nullptr;
+  cudaMalloc(&d, sizeof(T) * std::max<std::size_t>(h.size(), 1));
+  cudaMemcpy(d, h.data(), sizeof(T) * h.size(), cudaMemcpyHostToDevice);
+  return d;
+}
+template <class T>
+std::vector<T> to_host(const T* d, std::size_t n) {
+  std::vector<T> h(n);
+  cudaMemcpy(h.data(), d, sizeof(T) * n, cudaMemcpyDeviceToHost);
+  return h;
+}
+
+template <class T>
+std::vector<T> convert_input(const std::vector<float>& x) {
+  std::vector<T> y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) y[i] = kvq::from_float<T>(x[i]);
+  return y;
+}
+template <class T>
+std::vector<float> round_trip(const std::vector<float>& x) {  // the values T input carries
+  std::vector<float> y(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) y[i] = kvq::to_float(kvq::from_float<T>(x[i]));
+  return y;
+}
+
+template <class T>
+void gpu_append_case(const Pair& pr, Input in) {
+  SCOPED_TRACE(pr.name + ", " + to_string(in));
+  const PageLayout L = kvq::make_page_layout(pr.k, pr.v, kP, kH, kD);
+  const int64_t n1 = kP, n2 = kP + kP / 2;
+  if (n2 % L.granule != 0) return;
+  std::vector<float> k1 = round_trip<T>(make_input(in, n1, kH, kD, 11)),
+                     v1 = round_trip<T>(make_input(in, n1, kH, kD, 12)),
+                     k2 = round_trip<T>(make_input(in, n2, kH, kD, 13)),
+                     v2 = round_trip<T>(make_input(in, n2, kH, kD, 14));
+  Pages cpu = zero_pages(L, 3);
+  cpu_append(L, cpu, 0, k1, v1, n1);
+  cpu_append(L, cpu, n1, k2, v2, n2);
+  DevPages dev(L, 3);
+  const kvq::cuda::AppendPlan plan(L, n2);
+  void* ws = nullptr;
+  CK(cudaMalloc(&ws, plan.workspace_bytes()));
+  T* dk1 = to_device(convert_input<T>(k1));
+  T* dv1 = to_device(convert_input<T>(v1));
+  T* dk2 = to_device(convert_input<T>(k2));
+  T* dv2 = to_device(convert_input<T>(v2));
+  plan.run(ws, dev.table, 0, dk1, dv1, n1);
+  EXPECT_NO_THROW(plan.check(ws));
+  plan.run(ws, dev.table, n1, dk2, dv2, n2);
+  EXPECT_NO_THROW(plan.check(ws));
+  EXPECT_EQ(first_difference(L, cpu, dev.download()), "");
+  for (void* p : {static_cast<void*>(dk1), static_cast<void*>(dv1), static_cast<void*>(dk2),
+                  static_cast<void*>(dv2), ws})
+    cudaFree(p);
+}
+
+TEST(Gpu, AppendWritesTheBytesOfQuantizePage) {
+  KVQ_REQUIRE_GPU();
+  std::vector<Pair> all = elementwise_pairs();
+  for (const Pair& p : lm_pairs()) all.push_back(p);
+  for (const Pair& pr : all)
+    for (Input in : kInputs) {
+      gpu_append_case<float>(pr, in);
+      if (in == Input::kGaussian) {
+        gpu_append_case<kvq::f16>(pr, in);
+        gpu_append_case<kvq::bf16>(pr, in);
+      }
+    }
+}
+
+TEST(Gpu, AppendReportsNonFiniteInput) {
+  KVQ_REQUIRE_GPU();
+  for (const Pair& pr : {elementwise_pairs()[0], lm_pairs()[0]}) {
+    const PageLayout L = kvq::make_page_layout(pr.k, pr.v, kP, kH, kD);
+    auto k = make_input(Input::kGaussian, kP, kH, kD, 21), v = k;
+    v[1000] = INFINITY;
+    DevPages dev(L, 1);
+    const kvq::cuda::AppendPlan plan(L, kP);
+    void* ws = nullptr;
+    CK(cudaMalloc(&ws, plan.workspace_bytes()));
+    float* dk = to_device(k);
+    float* dv = to_device(v);
+    plan.run(ws, dev.table, 0, dk, dv, kP);
+    try {
+      plan.check(ws);
+      ADD_FAILURE() << pr.name << ": Inf in the values was not reported";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.kind(), kvq::ErrorKind::kNonFinite) << e.what();
+    }
+    cudaFree(dk);
+    cudaFree(dv);
+    cudaFree(ws);
+  }
+}
+
+TEST(Gpu, DequantizeGivesTheBitsOfDequantizePage) {
+  KVQ_REQUIRE_GPU();
+  std::vector<Pair> all = elementwise_pairs();
+  for (const Pair& p : lm_pairs()) all.push_back(p);
+  for (const Pair& pr : all) {
+    SCOPED_TRACE(pr.name);
+    const PageLayout L = kvq::make_page_layout(pr.k, pr.v, kP, kH, kD);
+    const kvq::cuda::PagedDesc desc = kvq::cuda::make_paged_desc(L);
+    const int64_t tokens = 2 * kP + (kP / 2 / L.granule) * L.granule;
+    Pages pages = zero_pages(L, 3);
+    cpu_append(L, pages, 0, make_input(Input::kOutlierChannels, tokens, kH, kD, 31),
+               make_input(Input::kGaussian, tokens, kH, kD, 32), tokens);
+    DevPages dev(L, 3);
+    dev.upload(pages);
+    auto check = [&](auto tag) {
+      using T = decltype(tag);
+      std::vector<T> ck, cv;
+      cpu_dequantize(L, pages, tokens, ck, cv);
+      T* dk = nullptr;
+      T* dv = nullptr;
+      cudaMalloc(&dk, sizeof(T) * ck.size());
+      cudaMalloc(&dv, sizeof(T) * cv.size());
+      kvq::cuda::dequantize_pages(desc, dev.table, tokens, dk, dv);
+      EXPECT_TRUE(same_bits(ck, to_host(dk, ck.size()))) << "keys";
+      EXPECT_TRUE(same_bits(cv, to_host(dv, cv.size()))) << "values";
+      cudaFree(dk);
+      cudaFree(dv);
+    };
+    check(float{});
+    check(kvq::f16{});
+    check(kvq::bf16{});
+  }
+}
+
+/// Double-precision decode attention over f32 keys/values [T, H, D] for queries [Hq, D].
+std::vector<float> reference_decode(const std::vector<float>& k, const std::vector<float>& v,
+                                    int64_t T, int64_t H, int64_t D, const float* q, int64_t Hq) {
+  std::vector<float> out(static_cast<std::size_t>(Hq * D), 0.f);
+  if (T == 0) return out;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    const int64_t h = hq / (Hq / H);
+    std::vector<double> s(static_cast<std::size_t>(T));
+    double m = -INFINITY;
+    for (int64_t t = 0; t < T; ++t) {
+      double dot = 0;
+      for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(q[hq * D + d]) * k[(t * H + h) * D + d];
+      s[t] = dot * scale;
+      m = std::max(m, s[t]);
+    }
+    double l = 0;
+    std::vector<double> acc(static_cast<std::size_t>(D), 0.0);
+    for (int64_t t = 0; t < T; ++t) {
+      const double w = std::exp(s[t] - m);
+      l += w;
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * v[(t * H + h) * D + d];
+    }
+    for (int64_t d = 0; d < D; ++d) out[hq * D + d] = static_cast<float>(acc[d] / l);
+  }
+  return out;
+}
+
+void gpu_decode_case(const Pair& pr, int64_t group, float q_gain, int64_t split_tokens) {
+  SCOPED_TRACE(pr.name + ", group " + std::to_string(group) + ", query gain " +
+               std::to_string(q_gain) + ", split " + std::to_string(split_tokens));
+  const PageLayout L = kvq::make_page_layout(pr.k, pr.v, kP, kH, kD);
+  const int64_t g = L.granule;
+  const std::vector<int64_t> lens = {g, (5 * kP / g) * g + g, 0, (1000 / g) * g};
+  const int64_t B = static_cast<int64_t>(lens.size()), Hq = kH * group;
+  std::vector<Pages> seqs;
+  std::vector<int32_t> indptr = {0}, tokens;
+  std::vector<std::vector<float>> ks, vs;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t T = lens[b], np = (T + kP - 1) / kP;
+    Pages p = zero_pages(L, np);
+    auto k = make_input(Input::kOutlierChannels, T, kH, kD, 40 + b);
+    auto v = make_input(Input::kGaussian, T, kH, kD, 50 + b);
+    if (T > 0) cpu_append(L, p, 0, k, v, T);
+    std::vector<float> dk, dv;
+    cpu_dequantize(L, p, T, dk, dv);
+    ks.push_back(dk);
+    vs.push_back(dv);
+    seqs.push_back(std::move(p));
+    indptr.push_back(indptr.back() + static_cast<int32_t>(np));
+    tokens.push_back(static_cast<int32_t>(T));
+  }
+  std::vector<std::unique_ptr<DevPages>> dev;
+  std::vector<const std::byte*> table;
+  for (auto& s : seqs) {
+    dev.push_back(std::make_unique<DevPages>(L, static_cast<int64_t>(s.size())));
+    dev.back()->upload(s);
+    for (auto* p : dev.back()->ptrs) table.push_back(p);
+  }
+  std::vector<float> q = make_input(Input::kGaussian, B, Hq, kD, 60);
+  for (float& x : q) x *= q_gain;
+  const int64_t max_len = *std::max_element(lens.begin(), lens.end());
+  const kvq::cuda::DecodePlan plan(L, B, Hq, max_len, split_tokens);
+  void* ws = nullptr;
+  CK(cudaMalloc(&ws, plan.workspace_bytes()));
+  const std::byte** dtable = to_device(table);
+  int32_t* dindptr = to_device(indptr);
+  int32_t* dtokens = to_device(tokens);
+  float* dq = to_device(q);
+  float* dout = nullptr;
+  CK(cudaMalloc(&dout, sizeof(float) * q.size()));
+  plan.run(ws, dq, dtable, dindptr, dtokens, dout);  // twice: no state kept between runs
+  plan.run(ws, dq, dtable, dindptr, dtokens, dout);
+  CK(cudaDeviceSynchronize());
+  const std::vector<float> got = to_host(dout, q.size());
+  for (int64_t b = 0; b < B; ++b) {
+    const auto want = reference_decode(ks[b], vs[b], lens[b], kH, kD, q.data() + b * Hq * kD, Hq);
+    double err = 0, mag = 0;
+    for (int64_t i = 0; i < Hq * kD; ++i) {
+      err = std::max(err, static_cast<double>(std::fabs(got[b * Hq * kD + i] - want[i])));
+      mag = std::max(mag, static_cast<double>(std::fabs(want[i])));
+    }
+    if (lens[b] == 0) {
+      EXPECT_EQ(err, 0.0) << "empty sequence " << b << " must give zeros";
+    } else {
+      EXPECT_LE(err, 1e-3 * mag) << "sequence " << b << " (" << lens[b] << " tokens)";
+    }
+  }
+  cudaFree(ws);
+  cudaFree(dtable);
+  cudaFree(dindptr);
+  cudaFree(dtokens);
+  cudaFree(dq);
+  cudaFree(dout);
+}
+
+TEST(Gpu, DecodeAttentionMatchesTheReference) {
+  KVQ_REQUIRE_GPU();
+  std::vector<Pair> pairs = {
+      {"f16 / f16", raw_cfg(Format::kF16), raw_cfg(Format::kF16)},
+      {"e4m3 head / e4m3 head (fp8)", fp8_cfg(false, Axis::kHead, 64), fp8_cfg(false, Axis::kHead, 64)},
+      {"k8v4: int8 channel g64 / int4 token g32", int_cfg(8, Axis::kChannel, 64),
+       int_cfg(4, Axis::kToken, 32)},
+      {"kivi4: int4 channel g32 / int4 token g32", int_cfg(4, Axis::kChannel, 32),
+       int_cfg(4, Axis::kToken, 32)},
+      {"int2 token g16 / int3 token g32", int_cfg(2, Axis::kToken, 16), int_cfg(3, Axis::kToken, 32)},
+      {"lm4 / lm3", lm_cfg(4), lm_cfg(3)},
+      {"e5m2 token / lm2", fp8_cfg(true, Axis::kToken), lm_cfg(2)},
+  };
+  for (const Pair& pr : pairs) {
+    gpu_decode_case(pr, 4, 1.f, 0);
+    gpu_decode_case(pr, 1, 1.f, 64);    // many splits, MHA
+    gpu_decode_case(pr, 12, 8.f, 0);    // two CTAs per GQA group, peaky softmax
+  }
+}
+
+}  // namespace
