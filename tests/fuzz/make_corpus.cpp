@@ -17,6 +17,7 @@
 #include "kvq/io/npy.hpp"
 #include "kvq/io/safetensors.hpp"
 #include "kvq/policy/spec.hpp"
+#include "kvq/quant/calibrate.hpp"
 #include "kvq/quant/quantize.hpp"
 
 namespace fs = std::filesystem;
@@ -376,6 +377,26 @@ void gguf_seeds() {
   put("gguf", "unsupported_type.gguf", file(3, false, {{"q2_k", {256}, 10, 84}}, 32));
 }
 
+/// Calibration files written by kvq's own writer (calibration_json) for policies whose nuq
+/// configs carry hand-set ascending codebooks.
+void calibration_seeds() {
+  auto levels = [](kvq::QuantConfig& c, float lo, float hi) {
+    c.nuq_ready = true;
+    const int n = 1 << c.bits;
+    for (int i = 0; i < n; ++i)
+      c.nuq_levels[static_cast<std::size_t>(i)] = lo + (hi - lo) * static_cast<float>(i) / (n - 1);
+  };
+  kvq::Policy a = kvq::parse_policy("k=nuq3/channel/g32,v=nuq2/token/g16/out2,residual=0");
+  levels(a.key, -1.f, 1.f);
+  levels(a.value, -0.9f, 0.7f);
+  put("calibration", "two_layers_k_and_v.json", kvq::calibration_json(a, 2, "synthetic"));
+  kvq::Policy b = kvq::parse_policy("k=nuq4/token/g8,v=int4/token/g32,skip=1,sinks=2");
+  levels(b.key, -1.f, 1.f);
+  put("calibration", "skip_uniform.json",
+      kvq::calibration_json(b, 3, "caf\xc3\xa9", kvq::CalibrationWeights::kUniform));
+  put("calibration", "no_nuq.json", kvq::calibration_json(kvq::parse_policy("kivi2"), 1));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -391,6 +412,7 @@ int main(int argc, char** argv) {
   dump_seeds();
   packed_seeds();
   gguf_seeds();
+  calibration_seeds();
   std::printf("seed corpora written under %s\n", g_root.string().c_str());
   return 0;
 }
