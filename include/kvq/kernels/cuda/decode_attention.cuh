@@ -37,9 +37,9 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-/// Block-wide Walsh-Hadamard of x[0..D) in shared memory (D a power of two), then
-/// x[i] *= sign(i) * scale when `signs_after`, else x[i] = x[i] * sign(i) before and * scale
-/// after (forward rotation). All threads of the block must call it.
+/// Block-wide randomized Hadamard of x[0..D) in shared memory (D a power of two): forward
+/// x <- scale * H * (sign .* x), inverse x <- sign .* (scale * H * x) (Rotation's R and R^T).
+/// All threads of the block must call it.
 __device__ inline void block_rotate(float* x, int D, const TensorDesc& X, bool inverse) {
   if (!inverse) {
     for (int i = threadIdx.x; i < D; i += blockDim.x) x[i] *= elem::sign_of(X.sign_mask, i);
@@ -136,8 +136,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     }
   }
 
-  // Merge the warps of the CTA, one query head at a time, and write this split's partials.
-  for (int g = 0; g < G; ++g) {
+  // Merge the warps of the CTA, one query head at a time, and write this split's partials
+  // (unrolled over the fixed bound so m, l and acc stay in registers; G is uniform per CTA).
+#pragma unroll
+  for (int g = 0; g < kMaxGroupPerCta; ++g) {
+    if (g >= G) break;
     if (lane == 0) {
       m_s[warp][g] = m[g];
       l_s[warp][g] = l[g];
