@@ -25,6 +25,7 @@
 
 #include "kvq/cache/cache_backend.hpp"
 #include "kvq/cache/simulated_backend.hpp"
+#include "calibration_source.hpp"
 #include "eval_model.hpp"
 #include "kvq/eval/llama2c.hpp"
 #include "kvq/policy/spec.hpp"
@@ -97,7 +98,7 @@ void usage() {
   std::fprintf(stderr,
                "usage: kvq_perplexity [--model M] [--tokenizer T] [--text F] "
                "[--policy SPEC[;SPEC...]] [--json] [--max-seqs N] [--seq-len N] [--simulate]\n"
-               "  [--prerope] [--threads N]\n"
+               "  [--prerope] [--threads N] [--calibrate PATH] [--save-calibration FILE]\n"
                "--model: a llama2.c checkpoint (with --tokenizer), a GGUF file (its own tokenizer;\n"
                "  lines without '\\r', no BOS unless the file says so, cut at 512 tokens), or\n"
                "  'smollm2' for the GGUF fetched by ./kvq.sh model smollm2\n"
@@ -105,6 +106,10 @@ void usage() {
                "--simulate: quantize each key/value scale group as soon as it is complete (keys\n"
                "  and values independently; simulated quantization, the reference table's rule)\n"
                "  instead of the streaming cache's shared blocks\n"
+               "--calibrate: nuq codebooks from PATH: a calibration file, a KV dump, or a text\n"
+               "  file the model is run over (keys, values, queries recorded; use another text\n"
+               "  than --text to avoid leaking evaluation data)\n"
+               "--save-calibration: write the learned calibration (FILE.<i>.json for several)\n"
                "--prerope: quantize keys before RoPE and apply RoPE after dequantization\n"
                "  (KVQuant), in the streaming cache or with --simulate\n"
                "defaults: %s/data/stories260K/{stories260K.bin,tok512.bin,tinystories-dev.txt}, "
@@ -131,6 +136,7 @@ int main(int argc, char** argv) {
               text_path = base + "tinystories-dev.txt", policy_arg = "f32";
   bool json = false, simulate = false, prerope = false;
   int threads = 0;
+  std::string calib_path, save_calib;
   kvq::eval::EvalOptions opt;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -151,6 +157,8 @@ int main(int argc, char** argv) {
     else if (a == "--max-seqs") opt.max_sequences = parse_count(a, next());
     else if (a == "--seq-len") opt.max_seq_len = parse_count(a, next());
     else if (a == "--threads") threads = parse_count(a, next());
+    else if (a == "--calibrate") calib_path = next();
+    else if (a == "--save-calibration") save_calib = next();
     else if (a == "-h" || a == "--help") {
       usage();
       return 0;
@@ -161,7 +169,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    const auto policies = kvq::parse_policies(policy_arg);
+    auto policies = kvq::parse_policies(policy_arg);
     kvq_tools::EvalModel model(model_path, tok_path);
     if (threads > 0) model.set_threads(threads);
     const auto lines = model.read_lines(text_path);
@@ -174,16 +182,38 @@ int main(int argc, char** argv) {
     ropt.record_trace = &trace;
     const auto r0 = model.evaluate(ref, lines, ropt);
 
+    // nuq policies: codebooks from --calibrate (a spec that needs one without it is an error).
+    std::vector<std::string> names;  // specs as given (a calibrated policy lists every layer)
+    for (const kvq::Policy& p : policies) names.push_back(p.spec());
+    std::size_t n_cal = 0, i_cal = 0;
+    for (const kvq::Policy& p : policies) n_cal += kvq::needs_calibration(p, geo.n_layers) ? 1 : 0;
+    std::string calib_what;
+    for (kvq::Policy& p : policies) {
+      if (!kvq::needs_calibration(p, geo.n_layers)) continue;
+      if (calib_path.empty()) kvq::check_calibrated(p, geo.n_layers);  // throws, naming the layer
+      std::fprintf(stderr, "kvq_perplexity: calibrating %s ...\n", p.spec().c_str());
+      p = kvq_tools::calibrate_from(
+          p, calib_path, geo.n_layers, &geo, prerope,
+          [&](const std::string& path, kvq::eval::KVBackend& rec) {
+            model.evaluate(rec, model.read_lines(path), opt);
+          },
+          &calib_what);
+      if (!save_calib.empty())
+        kvq_tools::save_calibration_for(save_calib, i_cal, n_cal, p, geo.n_layers, calib_what);
+      ++i_cal;
+    }
+
     std::vector<kvq_tools::Row> rows;
-    for (const kvq::Policy& p : policies) {
-      std::fprintf(stderr, "kvq_perplexity: %s ...\n", p.spec().c_str());
+    for (std::size_t pi = 0; pi < policies.size(); ++pi) {
+      const kvq::Policy& p = policies[pi];
+      std::fprintf(stderr, "kvq_perplexity: %s ...\n", names[pi].c_str());
       MeasuringBackend be(p, geo, simulate, prerope, model.rope());
       kvq::eval::EvalOptions popt = opt;
       popt.reference_trace = &trace;
       const auto r = model.evaluate(be, lines, popt);
       be.measure();
       kvq_tools::Row row;
-      row.text = {{"policy", p.spec()}};
+      row.text = {{"policy", names[pi]}};
       row.num = {{"perplexity", r.test.perplexity()},
                  {"kl", r.mean_kl},
                  {"max_kl", r.max_kl},
@@ -199,6 +229,7 @@ int main(int argc, char** argv) {
         {"model_description", model.describe()},
         {"reference_seconds", kvq_tools::raw_json(kvq_tools::json_number(r0.test.seconds))},
         {"text", text_path},
+        {"calibration", calib_what.empty() ? std::string("none") : calib_what},
         {"cache", std::string(simulate ? "simulated (each group quantized when complete)"
                                        : "streaming KVCache") +
                       (prerope ? ", keys quantized before RoPE" : "")},

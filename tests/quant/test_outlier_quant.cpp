@@ -77,7 +77,9 @@ TEST_P(OutlierQuant, MatchesOracleAndKeepsOutliersExactly) {
   for (int64_t v = 0; v < s.tokens * s.heads; ++v)
     for (int64_t j = 0; j < k; ++j) {
       const int32_t d = split.sel[static_cast<std::size_t>(v * k + j)];
-      if (j > 0) EXPECT_LT(split.sel[static_cast<std::size_t>(v * k + j - 1)], d);
+      if (j > 0) {
+        EXPECT_LT(split.sel[static_cast<std::size_t>(v * k + j - 1)], d);
+      }
       const std::size_t i = static_cast<std::size_t>(v * s.head_dim + d);
       EXPECT_EQ(a[i], kvq::half_bits_to_float(kvq::float_to_half_bits(x[i])));
     }

@@ -70,14 +70,22 @@ inline void isolate_outliers(const Shape& s, Axis axis, int64_t group, int64_t k
   const double inv_n = 1.0 / static_cast<double>(box.size());
   // Box index of channel d in row (t, h): base + d / gc (gc == D except on the token axis).
   auto base_of = [&](int64_t t, int64_t h) { return ((t / box.gt) * box.nh + h / box.gh) * box.nc; };
+  // Channel blocks of one row: [c0, c0 + gc) all fall in box b0 + c0 / gc (gc == 1: one box
+  // per channel). Sums run in [token, head, channel] order, as in the oracle.
+  const int64_t gc = box.gc;
+  const bool per_channel = gc == 1;
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H; ++h) {
       const float* r = x + (t * H + h) * D;
-      const int64_t b0 = base_of(t, h);
-      if (box.gc == 1) {  // channel axis: one box per channel
-        for (int64_t d = 0; d < D; ++d) mean[b0 + d] += r[d];
+      double* m = mean + base_of(t, h);
+      if (per_channel) {
+        for (int64_t d = 0; d < D; ++d) m[d] += r[d];
       } else {
-        for (int64_t d = 0; d < D; ++d) mean[b0 + d / box.gc] += r[d];
+        for (int64_t c0 = 0, b = 0; c0 < D; c0 += gc, ++b) {
+          double acc = m[b];
+          for (int64_t d = c0; d < c0 + gc; ++d) acc += r[d];
+          m[b] = acc;
+        }
       }
     }
   for (std::size_t b = 0; b < nb; ++b) mean[b] *= inv_n;
@@ -85,13 +93,28 @@ inline void isolate_outliers(const Shape& s, Axis axis, int64_t group, int64_t k
     for (int64_t h = 0; h < H; ++h) {
       const float* r = x + (t * H + h) * D;
       const int64_t b0 = base_of(t, h);
-      for (int64_t d = 0; d < D; ++d) {
-        const int64_t b = b0 + d / box.gc;
-        const double dv = static_cast<double>(r[d]) - mean[b];
-        sd[b] += dv * dv;
+      if (per_channel) {
+        for (int64_t d = 0; d < D; ++d) {
+          const double dv = static_cast<double>(r[d]) - mean[b0 + d];
+          sd[b0 + d] += dv * dv;
+        }
+      } else {
+        for (int64_t c0 = 0, b = b0; c0 < D; c0 += gc, ++b) {
+          double acc = sd[b];
+          const double mb = mean[b];
+          for (int64_t d = c0; d < c0 + gc; ++d) {
+            const double dv = static_cast<double>(r[d]) - mb;
+            acc += dv * dv;
+          }
+          sd[b] = acc;
+        }
       }
     }
-  for (std::size_t b = 0; b < nb; ++b) sd[b] = std::sqrt(sd[b] * inv_n);
+  // sd[] becomes 1 / sd (0 for a constant box): score = |x - mean| * (1 / sd).
+  for (std::size_t b = 0; b < nb; ++b) {
+    const double v = std::sqrt(sd[b] * inv_n);
+    sd[b] = v > 0.0 ? 1.0 / v : 0.0;
+  }
 
   // Selection per vector, then the non-selected range of every box.
   std::fill(lo, lo + nb, std::numeric_limits<float>::infinity());
@@ -100,11 +123,11 @@ inline void isolate_outliers(const Shape& s, Axis axis, int64_t group, int64_t k
     for (int64_t h = 0; h < H; ++h) {
       const float* r = x + (t * H + h) * D;
       const int64_t b0 = base_of(t, h);
-      for (int64_t d = 0; d < D; ++d) {
-        const int64_t b = b0 + d / box.gc;
-        score[d] = sd[b] > 0.0
-                       ? static_cast<float>(std::fabs(static_cast<double>(r[d]) - mean[b]) / sd[b])
-                       : 0.f;
+      for (int64_t c0 = 0, b = b0; c0 < D; c0 += gc, b += per_channel ? gc : 1) {
+        for (int64_t d = c0; d < c0 + gc; ++d) {
+          const int64_t bd = per_channel ? b0 + d : b;
+          score[d] = static_cast<float>(std::fabs(static_cast<double>(r[d]) - mean[bd]) * sd[bd]);
+        }
       }
       int32_t* out = sel + (t * H + h) * k;
       auto before = [&](int32_t a, int32_t b) {  // (score desc, channel asc)
@@ -127,11 +150,13 @@ inline void isolate_outliers(const Shape& s, Axis axis, int64_t group, int64_t k
       std::sort(out, out + k);
       std::fill(mark, mark + D, uint8_t{0});
       for (int64_t j = 0; j < k; ++j) mark[out[j]] = 1;
-      for (int64_t d = 0; d < D; ++d) {
-        if (mark[d]) continue;
-        const int64_t b = b0 + d / box.gc;
-        lo[b] = std::min(lo[b], r[d]);
-        hi[b] = std::max(hi[b], r[d]);
+      for (int64_t c0 = 0, bb = b0; c0 < D; c0 += gc, ++bb) {
+        for (int64_t d = c0; d < c0 + gc; ++d) {
+          if (mark[d]) continue;
+          const int64_t b = per_channel ? b0 + d : bb;
+          lo[b] = std::min(lo[b], r[d]);
+          hi[b] = std::max(hi[b], r[d]);
+        }
       }
     }
   // Values out, dense part in.

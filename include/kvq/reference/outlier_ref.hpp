@@ -48,24 +48,25 @@ OutlierSplit split_outliers(Axis axis, int64_t group, int64_t k, const KVView<co
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t h = 0; h < s.heads; ++h)
       for (int64_t d = 0; d < s.head_dim; ++d) mean[box.index(t, h, d)] += at(t, h, d);
-  for (auto& m : mean) m /= static_cast<double>(box.size());
+  for (auto& m : mean) m *= 1.0 / static_cast<double>(box.size());
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t h = 0; h < s.heads; ++h)
       for (int64_t d = 0; d < s.head_dim; ++d) {
         const double dv = static_cast<double>(at(t, h, d)) - mean[box.index(t, h, d)];
         sd[box.index(t, h, d)] += dv * dv;
       }
-  for (auto& v : sd) v = std::sqrt(v / static_cast<double>(box.size()));
+  // Inverse spread (0 for a constant box), as the fast path: score = |x - mean| * (1 / sd).
+  for (auto& v : sd) {
+    const double r = std::sqrt(v * (1.0 / static_cast<double>(box.size())));
+    v = r > 0.0 ? 1.0 / r : 0.0;
+  }
   std::vector<uint8_t> chosen(r.dense.size(), 0);
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t h = 0; h < s.heads; ++h) {
       std::vector<float> score(static_cast<std::size_t>(s.head_dim));
       for (int64_t d = 0; d < s.head_dim; ++d) {
         const auto b = static_cast<std::size_t>(box.index(t, h, d));
-        score[d] = sd[b] > 0.0 ? static_cast<float>(std::fabs(static_cast<double>(at(t, h, d)) -
-                                                               mean[b]) /
-                                                     sd[b])
-                               : 0.f;
+        score[d] = static_cast<float>(std::fabs(static_cast<double>(at(t, h, d)) - mean[b]) * sd[b]);
       }
       std::vector<int32_t> order(static_cast<std::size_t>(s.head_dim));
       std::iota(order.begin(), order.end(), 0);
