@@ -25,7 +25,7 @@
 #include <vector>
 
 #include <kvq/kernels/cuda/kvq_cuda.cuh>
-#include <kvq/kvq.hpp>
+#include <kvq/layout/page_layout.hpp>
 
 namespace {
 
