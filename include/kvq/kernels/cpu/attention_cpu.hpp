@@ -47,6 +47,7 @@
 #include "kvq/kernels/cpu/uniform_cpu.hpp"
 #include "kvq/quant/lloyd_max_quant.hpp"
 #include "kvq/quant/packed_view.hpp"
+#include "kvq/quant/quantize.hpp"
 
 namespace kvq {
 
@@ -133,7 +134,38 @@ struct Workspace {
   std::vector<float> um, ul, uacc;  // per work unit results
   std::vector<float> out_row;
   std::vector<Scratch> scratch;
+  // nuq and dense-and-sparse pages (no fused decoder yet): decoded rows, one [n, H, D] pair
+  // per such segment, and the dequantization scratch.
+  std::vector<std::vector<float>> decoded;
+  QuantWorkspace qws;
 };
+
+/// True when the fused kernels cannot read `v` straight from its codes: a nuq codebook or
+/// dense-and-sparse outliers (decoded to f32 rows first; docs/outliers.md).
+inline bool needs_decode(const PackedView& v) {
+  return v.config.format == Format::kNuq || outlier_count(v.config, v.shape.head_dim) > 0;
+}
+
+/// Replaces every packed segment that needs_decode() by f32 row segments holding its
+/// dequantized keys and values (the oracle path: the same values reference/attention_ref.hpp
+/// scores). Rows live in ws.decoded until the next call.
+inline void decode_unsupported(Workspace& ws) {
+  std::size_t used = 0;
+  for (CacheSegment& s : ws.segs) {
+    if (!s.packed() || (!needs_decode(s.key_view) && !needs_decode(s.value_view))) continue;
+    if (ws.decoded.size() < used + 2) ws.decoded.resize(used + 2);
+    std::vector<float>& kb = ws.decoded[used++];
+    std::vector<float>& vb = ws.decoded[used++];
+    const Shape sh = s.key_view.shape;
+    kb.resize(static_cast<std::size_t>(sh.numel()));
+    vb.resize(static_cast<std::size_t>(sh.numel()));
+    dequantize_tokens(s.key_view, 0, KVView<float>(kb.data(), sh), ws.qws);
+    dequantize_tokens(s.value_view, 0, KVView<float>(vb.data(), sh), ws.qws);
+    s.kind = CacheSegment::Kind::kResidual;
+    s.key_rows = KVView<const float>(kb.data(), sh);
+    s.value_rows = KVView<const float>(vb.data(), sh);
+  }
+}
 
 /// Problem geometry of one call.
 struct Problem {
@@ -187,64 +219,88 @@ inline typename S::V load_chunk(const uint8_t* row, int64_t j, const float* lut)
   return S::zero();  // unreachable: the stream setup never picks these for narrow vectors
 }
 
-/// out[r] = sum_j q[r, j] * kl(j) for n rows of q (stride qs), nj vector chunks.
+/// Scores of 4 tokens (t .. t+3) x RB query rows: sc[r * kTile + t + u] = q[r, :] . kl(t + u, :).
+/// 4 x RB independent FMA chains hide the FMA latency; one reduce4 per row gives the four
+/// tokens' sums in one store.
 template <class S, int RB, class KL>
-inline void dot_block(const KL& kl, int64_t nj, const float* q, int64_t qs, float* out) {
+inline void dot_block4(const KL& kl, int64_t t, int64_t nj, const float* q, int64_t D,
+                       float* sc) {
+  using V = typename S::V;
+  V a[4][RB];
+  for (int u = 0; u < 4; ++u)
+    for (int r = 0; r < RB; ++r) a[u][r] = S::zero();
+  for (int64_t j = 0; j < nj; ++j) {
+    const V k0 = kl(t, j), k1 = kl(t + 1, j), k2 = kl(t + 2, j), k3 = kl(t + 3, j);
+    for (int r = 0; r < RB; ++r) {
+      const V qv = S::load(q + r * D + j * S::W);
+      a[0][r] = S::fma(qv, k0, a[0][r]);
+      a[1][r] = S::fma(qv, k1, a[1][r]);
+      a[2][r] = S::fma(qv, k2, a[2][r]);
+      a[3][r] = S::fma(qv, k3, a[3][r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) S::reduce4(a[0][r], a[1][r], a[2][r], a[3][r], sc + r * kTile + t);
+}
+
+template <class S, int RB, class KL>
+inline void dot_block1(const KL& kl, int64_t t, int64_t nj, const float* q, int64_t D,
+                       float* sc) {
   using V = typename S::V;
   V a[RB];
   for (int r = 0; r < RB; ++r) a[r] = S::zero();
   for (int64_t j = 0; j < nj; ++j) {
-    const V k = kl(j);
-    for (int r = 0; r < RB; ++r) a[r] = S::fma(S::load(q + r * qs + j * S::W), k, a[r]);
+    const V k = kl(t, j);
+    for (int r = 0; r < RB; ++r) a[r] = S::fma(S::load(q + r * D + j * S::W), k, a[r]);
   }
-  if constexpr (RB % 4 == 0) {
-    for (int r = 0; r < RB; r += 4) S::reduce4(a[r], a[r + 1], a[r + 2], a[r + 3], out + r);
-  } else {
-    for (int r = 0; r < RB; ++r) out[r] = S::reduce(a[r]);
-  }
+  for (int r = 0; r < RB; ++r) sc[r * kTile + t] = S::reduce(a[r]);
 }
 
+template <class S, int RB, class KL>
+inline void dot_tokens(const KL& kl, int64_t n, int64_t nj, const float* q, int64_t D,
+                       float* sc) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) dot_block4<S, RB>(kl, t, nj, q, D, sc);
+  for (; t < n; ++t) dot_block1<S, RB>(kl, t, nj, q, D, sc);
+}
+
+/// sc[r * kTile + t] = q[r, :] . kl(t, :) for R rows of q (stride D) and n tokens.
 template <class S, class KL>
-inline void dot_rows(const KL& kl, int64_t nj, const float* q, int64_t qs, int64_t n,
-                     float* out, int64_t out_stride) {
-  float tmp[8];
+inline void dot_rows(const KL& kl, int64_t n, int64_t nj, const float* q, int64_t D, int64_t R,
+                     float* sc) {
   int64_t r = 0;
-  auto put = [&](int cnt) {
-    for (int k = 0; k < cnt; ++k) out[(r + k) * out_stride] = tmp[k];
-  };
-  for (; r + 8 <= n; r += 8) {
-    dot_block<S, 8>(kl, nj, q + r * qs, qs, tmp);
-    put(8);
-  }
-  if (r + 4 <= n) {
-    dot_block<S, 4>(kl, nj, q + r * qs, qs, tmp);
-    put(4);
-    r += 4;
-  }
-  if (r + 2 <= n) {
-    dot_block<S, 2>(kl, nj, q + r * qs, qs, tmp);
-    put(2);
+  for (; r + 4 <= R; r += 4) dot_tokens<S, 4>(kl, n, nj, q + r * D, D, sc + r * kTile);
+  if (r + 2 <= R) {
+    dot_tokens<S, 2>(kl, n, nj, q + r * D, D, sc + r * kTile);
     r += 2;
   }
-  if (r < n) {
-    dot_block<S, 1>(kl, nj, q + r * qs, qs, tmp);
-    put(1);
-  }
+  if (r < R) dot_tokens<S, 1>(kl, n, nj, q + r * D, D, sc + r * kTile);
 }
 
-/// acc[r, :] += sum_t w[r, t] * vl(t, j) for n rows (acc stride D, w stride kTile).
+/// acc[r, :] += sum_t w[r, t] * vl(t, :) for RB rows (acc stride D, w stride kTile); tokens
+/// alternate between two accumulator sets (2 x RB independent FMA chains).
 template <class S, int RB, class VL>
 inline void axpy_block(const VL& vl, int64_t nt, int64_t nj, const float* w, float* acc,
                        int64_t D) {
   using V = typename S::V;
   for (int64_t j = 0; j < nj; ++j) {
-    V a[RB];
-    for (int r = 0; r < RB; ++r) a[r] = S::load(acc + r * D + j * S::W);
-    for (int64_t t = 0; t < nt; ++t) {
-      const V v = vl(t, j);
-      for (int r = 0; r < RB; ++r) a[r] = S::fma(S::set1(w[r * kTile + t]), v, a[r]);
+    V a[RB], b[RB];
+    for (int r = 0; r < RB; ++r) {
+      a[r] = S::load(acc + r * D + j * S::W);
+      b[r] = S::zero();
     }
-    for (int r = 0; r < RB; ++r) S::store(acc + r * D + j * S::W, a[r]);
+    int64_t t = 0;
+    for (; t + 2 <= nt; t += 2) {
+      const V v0 = vl(t, j), v1 = vl(t + 1, j);
+      for (int r = 0; r < RB; ++r) {
+        a[r] = S::fma(S::set1(w[r * kTile + t]), v0, a[r]);
+        b[r] = S::fma(S::set1(w[r * kTile + t + 1]), v1, b[r]);
+      }
+    }
+    if (t < nt) {
+      const V v0 = vl(t, j);
+      for (int r = 0; r < RB; ++r) a[r] = S::fma(S::set1(w[r * kTile + t]), v0, a[r]);
+    }
+    for (int r = 0; r < RB; ++r) S::store(acc + r * D + j * S::W, S::add(a[r], b[r]));
   }
 }
 
@@ -309,6 +365,8 @@ inline void setup_packed(Stream& st, const PackedView& v, int W) {
       st.off = uniform_levels(c.bits, c.symmetric).off;
       st.zeros = !c.symmetric;
       break;
+    case Format::kNuq:  // never packed here: decode_unsupported() turned it into rows
+      fail(ErrorKind::kUnsupported, "attend: the fused decoder has no nuq path");
     case Format::kLloydMax: {
       st.bits = c.bits;
       st.lm = true;
@@ -555,11 +613,9 @@ class Unit {
     if (P_.rope != nullptr) {
       score_rope(seg, ks, h, t0, n, qs);
     } else if (!ks.packed) {
-      for (int64_t t = 0; t < n; ++t) {
-        const auto* row = reinterpret_cast<const uint8_t*>(ks.rows.row(loc0 + t, h));
-        dot_rows<S>([&](int64_t j) { return load_chunk<S, Load::kF32>(row, j, nullptr); }, nj, qs,
-                    D, R, sc + t, kTile);
-      }
+      dot_rows<S>(
+          [&](int64_t t, int64_t j) { return S::load(ks.rows.row(loc0 + t, h) + j * S::W); }, n,
+          nj, qs, D, R, sc);
     } else {
       with_load(ks.load, [&](auto LC) { score_packed<LC.value>(ks, h, loc0, n, qs); });
     }
@@ -570,13 +626,20 @@ class Unit {
       const int64_t nv = std::min(n, last - t0 + 1);
       float* s = sc + r * kTile;
       const std::size_t st = static_cast<std::size_t>(h * R + r);
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t t = 0; t < nv; ++t) mx = std::max(mx, s[t]);
       if (nv <= 0) {  // this query sees none of the tile
         std::fill(s, s + kTile, 0.f);
         continue;
       }
       std::fill(s + nv, s + kTile, -std::numeric_limits<float>::infinity());
+      float mx;
+      {
+        auto mv = S::load(s);
+        for (int64_t t = S::W; t < kTile; t += S::W) mv = S::max(mv, S::load(s + t));
+        alignas(64) float lanes[S::W];
+        S::store(lanes, mv);
+        mx = lanes[0];
+        for (int k = 1; k < S::W; ++k) mx = std::max(mx, lanes[k]);
+      }
       const float mnew = std::max(sc_.m[st], mx);
       if (mnew != sc_.m[st]) {
         const float alpha = exp_neg(sc_.m[st] - mnew);
@@ -625,70 +688,61 @@ class Unit {
     float* sc = sc_.s.data();
     const float* ms = sc_.kms.data();
     const float* mz = sc_.kmz.data();
+    const uint8_t** rp = sc_.krp.data();
+    for (int64_t t = 0; t < n; ++t) rp[t] = packed_row(ks, loc0 + t, h, sc_.ku.data() + t * D);
+    auto plain = [&](int64_t t, int64_t j) { return load_chunk<S, L>(rp[t], j, ks.lut); };
     if (ks.lm) {
       const float* qr = ws_.qrot.data() + (h * HR + i0_ * P_.G) * D;
-      const float* sq = ws_.sq.data() + (h * HR + i0_ * P_.G) * D;
-      const float* sqs = ws_.sqsum.data() + h * HR + i0_ * P_.G;
-      float* tmp = sc_.tmp.data();
-      for (int64_t t = 0; t < n; ++t) {
-        const uint8_t* row = packed_row(ks, loc0 + t, h, sc_.ku.data());
-        dot_rows<S>([&](int64_t j) { return load_chunk<S, L>(row, j, ks.lut); }, nj, qr, D, R,
-                    sc + t, kTile);
-        if (ks.qjl) {
-          uint8_t* sg = sc_.ksg.data();
+      dot_rows<S>(plain, n, nj, qr, D, R, sc);
+      if (ks.qjl) {
+        const float* sq = ws_.sq.data() + (h * HR + i0_ * P_.G) * D;
+        const float* sqs = ws_.sqsum.data() + h * HR + i0_ * P_.G;
+        uint8_t* sg = sc_.ksg.data();
+        for (int64_t t = 0; t < n; ++t) {
           const auto vi = static_cast<std::size_t>((loc0 + t) * ks.view.shape.heads + h);
-          unpack_bits(ks.view.qjl_signs, static_cast<std::size_t>(D), 1, sg,
+          unpack_bits(ks.view.qjl_signs, static_cast<std::size_t>(D), 1, sg + t * D,
                       vi * static_cast<std::size_t>(D));
-          dot_rows<S>([&](int64_t j) { return S::cvt(S::codes_u8(sg + j * S::W)); }, nj, sq, D,
-                      R, tmp, 1);
-          for (int64_t r = 0; r < R; ++r)
-            sc[r * kTile + t] += sc_.kq[t] * (2.f * tmp[r] - sqs[r]);
         }
-        for (int64_t r = 0; r < R; ++r) sc[r * kTile + t] *= ms[t];
+        float* w = sc_.w.data();  // scratch: sign dot products
+        dot_rows<S>([&](int64_t t, int64_t j) { return S::cvt(S::codes_u8(sg + t * D + j * S::W)); },
+                    n, nj, sq, D, R, w);
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t t = 0; t < n; ++t)
+            sc[r * kTile + t] += sc_.kq[t] * (2.f * w[r * kTile + t] - sqs[r]);
       }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t t = 0; t < n; ++t) sc[r * kTile + t] *= ms[t];
       return;
     }
     switch (ks.scale) {
       case Scale::kRow: {
+        dot_rows<S>(plain, n, nj, qs, D, R, sc);
         const float* qsum = ws_.qsum.data() + h * HR + i0_ * P_.G;
-        for (int64_t t = 0; t < n; ++t) {
-          const uint8_t* row = packed_row(ks, loc0 + t, h, sc_.ku.data());
-          dot_rows<S>([&](int64_t j) { return load_chunk<S, L>(row, j, ks.lut); }, nj, qs, D, R,
-                      sc + t, kTile);
-          const float s = ms[t], z = mz[t];
-          for (int64_t r = 0; r < R; ++r) sc[r * kTile + t] = s * sc[r * kTile + t] + z * qsum[r];
+        for (int64_t r = 0; r < R; ++r) {
+          float* o = sc + r * kTile;
+          const float qr = qsum[r];
+          for (int64_t t = 0; t < n; ++t) o[t] = std::fma(ms[t], o[t], mz[t] * qr);
         }
         return;
       }
       case Scale::kGroup: {
         const int64_t gc = ks.box.gc, ng = D / gc;
-        for (int64_t t = 0; t < n; ++t) {
-          const uint8_t* row = packed_row(ks, loc0 + t, h, sc_.ku.data());
-          const float* gs = ms + t * ng;
-          const float* gz = mz + t * ng;
-          dot_rows<S>(
-              [&](int64_t j) {
-                const int64_t g = j * S::W / gc;
-                return S::fma(load_chunk<S, L>(row, j, ks.lut), S::set1(gs[g]), S::set1(gz[g]));
-              },
-              nj, qs, D, R, sc + t, kTile);
-        }
+        dot_rows<S>(
+            [&](int64_t t, int64_t j) {
+              const int64_t g = t * ng + j * S::W / gc;
+              return S::fma(load_chunk<S, L>(rp[t], j, ks.lut), S::set1(ms[g]), S::set1(mz[g]));
+            },
+            n, nj, qs, D, R, sc);
         return;
       }
-      case Scale::kExpand: {
-        for (int64_t t = 0; t < n; ++t) {
-          const uint8_t* row = packed_row(ks, loc0 + t, h, sc_.ku.data());
-          const float* es = ms + t * D;
-          const float* ez = mz + t * D;
-          dot_rows<S>(
-              [&](int64_t j) {
-                return S::fma(load_chunk<S, L>(row, j, ks.lut), S::load(es + j * S::W),
-                              S::load(ez + j * S::W));
-              },
-              nj, qs, D, R, sc + t, kTile);
-        }
+      case Scale::kExpand:
+        dot_rows<S>(
+            [&](int64_t t, int64_t j) {
+              return S::fma(load_chunk<S, L>(rp[t], j, ks.lut), S::load(ms + t * D + j * S::W),
+                            S::load(mz + t * D + j * S::W));
+            },
+            n, nj, qs, D, R, sc);
         return;
-      }
       case Scale::kChannel: {
         // Fold the block's per-channel scales into the queries, zero points into one constant.
         float* qf = sc_.qf.data();
@@ -702,11 +756,7 @@ class Unit {
           }
           qz[r] = S::reduce(z);
         }
-        for (int64_t t = 0; t < n; ++t) {
-          const uint8_t* row = packed_row(ks, loc0 + t, h, sc_.ku.data());
-          dot_rows<S>([&](int64_t j) { return load_chunk<S, L>(row, j, ks.lut); }, nj, qf, D, R,
-                      sc + t, kTile);
-        }
+        dot_rows<S>(plain, n, nj, qf, D, R, sc);
         for (int64_t r = 0; r < R; ++r)
           for (int64_t t = 0; t < n; ++t) sc[r * kTile + t] += qz[r];
         return;
@@ -742,9 +792,9 @@ class Unit {
         sc_.rs[static_cast<std::size_t>(i)] = static_cast<float>(std::sin(ang));
       }
       rope_row(out, D, sc_.rc.data(), sc_.rs.data(), P_.rope->style);
-      dot_rows<S>([&](int64_t j) { return S::load(out + j * S::W); }, nj, qs, D, R,
-                  sc_.s.data() + t, kTile);
     }
+    dot_rows<S>([&](int64_t t, int64_t j) { return S::load(kr + t * D + j * S::W); }, n, nj, qs,
+                D, R, sc_.s.data());
   }
 
   template <Load L>
@@ -1063,6 +1113,7 @@ inline void attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D,
   check_call(ws.segs, T, H, D, q, out, causal, rope, layer);
   const int64_t nq = q.tokens();
   if (nq == 0) return;
+  decode_unsupported(ws);
   KVQ_REQUIRE(opt.threads >= 1, kInvalidArgument, "attend: threads must be >= 1, got ",
               opt.threads);
   KVQ_REQUIRE(opt.split_tokens >= 0, kInvalidArgument,
