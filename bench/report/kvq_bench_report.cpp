@@ -48,23 +48,123 @@ const Target kTargets[] = {
     {"BM_Quantize/lm4/rot/f32", 0.3, 0, "issue 4"},
 };
 
+/// The machine the run was measured on (kvq_bench records it in the JSON context).
+void print_context(const kvq::io::Json& doc) {
+  const kvq::io::Json* ctx = doc.find("context");
+  if (!ctx) return;
+  auto str = [&](const char* k) -> std::string {
+    const kvq::io::Json* v = ctx->find(k);
+    if (!v) return "?";
+    if (v->is_string()) return v->as_string();
+    if (v->is_number()) return v->number_text();
+    return "?";
+  };
+  std::printf("CPU: %s (%s CPUs, %s MHz); SIMD level: %s; flags: %s\n\n", str("cpu_model").c_str(),
+              str("num_cpus").c_str(), str("mhz_per_cpu").c_str(), str("kvq_simd").c_str(),
+              str("cpu_flags").c_str());
+}
+
+// Decode targets (issue 9): at 32768 tokens, single thread.
+struct DecodeTarget {
+  const char* policy;
+  double min_fraction;  // of BM_StreamRead over the same bytes (0: none)
+  double min_speedup;   // over f16 decode (0: none)
+};
+const DecodeTarget kDecodeTargets[] = {
+    {"f16", 0.6, 0}, {"fp8", 0.45, 1.6}, {"k8v4", 0.45, 0}, {"kivi4", 0.35, 2.5}};
+constexpr const char* kTargetTokens = "32768";
+
+/// BM_Decode/<policy>/<tokens>: tokens/s, KV bytes/s, fraction of the same run's
+/// BM_StreamRead/<kv_bytes> and speedup over BM_Decode/f16/<tokens>. Returns targets missed.
+int decode_table(std::map<std::string, std::vector<double>>& bps,
+                 std::map<std::string, std::vector<double>>& ips,
+                 std::map<std::string, std::vector<double>>& kvb) {
+  std::vector<std::string> names;
+  for (const auto& kv : ips)
+    if (kv.first.rfind("BM_Decode/", 0) == 0) names.push_back(kv.first);
+  if (names.empty()) return 0;
+  std::printf("| decode | tokens/s | KV read | fraction of BM_StreamRead (same bytes) | speedup "
+              "vs f16 | target |\n|---|---|---|---|---|---|\n");
+  int missed = 0;
+  for (const std::string& n : names) {
+    const std::string rest = n.substr(10);
+    const auto slash = rest.find('/');
+    if (slash == std::string::npos) continue;
+    const std::string policy = rest.substr(0, slash), tokens = rest.substr(slash + 1);
+    const double tps = median(ips[n]);
+    const double bw = bps.count(n) ? median(bps[n]) : 0;
+    double frac = -1, speed = -1;
+    if (kvb.count(n)) {
+      char sr[64];
+      std::snprintf(sr, sizeof sr, "BM_StreamRead/%.0f", median(kvb[n]));
+      if (bps.count(sr)) frac = bw / median(bps[sr]);
+    }
+    const std::string f16 = "BM_Decode/f16/" + tokens;
+    if (ips.count(f16)) speed = tps / median(ips[f16]);
+    std::string target;
+    if (tokens == kTargetTokens) {
+      for (const DecodeTarget& t : kDecodeTargets) {
+        if (policy != t.policy) continue;
+        char buf[96];
+        if (t.min_fraction > 0) {
+          const bool ok = frac >= t.min_fraction;
+          std::snprintf(buf, sizeof buf, "fraction >= %.2f %s", t.min_fraction, ok ? "met" : "MISSED");
+          target += buf;
+          missed += ok ? 0 : 1;
+        }
+        if (t.min_speedup > 0) {
+          const bool ok = speed >= t.min_speedup;
+          std::snprintf(buf, sizeof buf, "%sspeedup >= %.1fx %s", target.empty() ? "" : "; ",
+                        t.min_speedup, ok ? "met" : "MISSED");
+          target += buf;
+          missed += ok ? 0 : 1;
+        }
+      }
+    }
+    char fb[32] = "?", sb[32] = "?";
+    if (frac >= 0) std::snprintf(fb, sizeof fb, "%.2f", frac);
+    if (speed >= 0) std::snprintf(sb, sizeof sb, "%.2fx", speed);
+    std::printf("| %s | %.0f | %.2f GB/s | %s | %s | %s |\n", n.c_str(), tps, bw / 1e9, fb, sb,
+                target.c_str());
+  }
+  std::printf("\n");
+  return missed;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 2 || std::string(argv[1]) == "-h" || std::string(argv[1]) == "--help") {
-    std::fprintf(stderr, "usage: kvq_bench_report BENCH.json   (kvq_bench --benchmark_out=...)\n");
+  // kvq_bench_report [--check] BENCH.json: --check exits 3 when any target is missed.
+  bool check = false;
+  const char* path = nullptr;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--check") {
+      check = true;
+    } else if (a == "-h" || a == "--help" || path != nullptr || a.rfind("--", 0) == 0) {
+      path = nullptr;
+      argc = 0;
+      break;
+    } else {
+      path = argv[i];
+    }
+  }
+  if (path == nullptr) {
+    std::fprintf(stderr,
+                 "usage: kvq_bench_report [--check] BENCH.json   (kvq_bench --benchmark_out=...)\n"
+                 "  --check  exit with status 3 when any speed target is missed\n");
     return 2;
   }
   try {
-    std::ifstream in(argv[1], std::ios::binary);
-    if (!in) throw std::runtime_error(std::string("cannot open ") + argv[1]);
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw std::runtime_error(std::string("cannot open ") + path);
     std::stringstream ss;
     ss << in.rdbuf();
-    const kvq::io::Json doc = kvq::io::parse_json(ss.str(), argv[1]);
+    const kvq::io::Json doc = kvq::io::parse_json(ss.str(), path);
     const kvq::io::Json* list = doc.find("benchmarks");
     if (!list || !list->is_array()) throw std::runtime_error("no \"benchmarks\" array in the file");
     // name -> per-repetition bytes/s (or items/s) and ns per item
-    std::map<std::string, std::vector<double>> bps, ips;
+    std::map<std::string, std::vector<double>> bps, ips, kvb;
     std::vector<std::string> order;
     for (const kvq::io::Json& b : list->items()) {
       const kvq::io::Json* rt = b.find("run_type");
@@ -78,14 +178,17 @@ int main(int argc, char** argv) {
         bps[n].push_back(number(*v));
       if (const kvq::io::Json* v = b.find("items_per_second"); v && v->is_number())
         ips[n].push_back(number(*v));
+      if (const kvq::io::Json* v = b.find("kv_bytes"); v && v->is_number())
+        kvb[n].push_back(number(*v));
     }
+    print_context(doc);
     if (!bps.count("BM_Memcpy")) throw std::runtime_error("the run has no BM_Memcpy");
     const double memcpy_bps = median(bps["BM_Memcpy"]);
     const size_t reps = bps["BM_Memcpy"].size();
+    int missed = decode_table(bps, ips, kvb);
     std::printf("BM_Memcpy median %.2f GB/s over %zu repetition(s); ratios are medians / that\n\n",
                 memcpy_bps / 1e9, reps);
     std::printf("| benchmark | median | ratio to BM_Memcpy | target |\n|---|---|---|---|\n");
-    int missed = 0;
     for (const std::string& n : order) {
       std::string value, ratio = "", target = "";
       double r = 0, ns = 0;
@@ -120,7 +223,7 @@ int main(int argc, char** argv) {
       std::printf("| %s | %s | %s | %s |\n", n.c_str(), value.c_str(), ratio.c_str(), target.c_str());
     }
     std::printf("\n%d target(s) missed\n", missed);
-    return 0;
+    return check && missed > 0 ? 3 : 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvq_bench_report: %s\n", e.what());
     return 1;

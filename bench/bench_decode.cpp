@@ -1,0 +1,209 @@
+// Fused attention speed: decode (one query per head) and chunked prefill over a KVCache, for the
+// policies an engine would pick, against a plain read-and-sum of the same number of bytes.
+//
+//   BM_Decode/<policy>/<tokens>   attend_one over <tokens> cached tokens (8 kv heads, head_dim
+//                                 128, 32 query heads, one thread). items/s = cached tokens
+//                                 attended per second; bytes/s = KV bytes read per second (the
+//                                 cache's stored bytes: codes, metadata, f32 sinks/residual);
+//                                 counter kv_bytes = those bytes.
+//   BM_StreamRead/<bytes>         sum of <bytes> bytes as 64-bit words (the bandwidth ceiling
+//                                 for a kernel that reads that many bytes once), one per
+//                                 decode size.
+//   BM_Prefill/<policy>/<chunk>   attend of <chunk> causal queries at the newest positions of
+//                                 a 2048-token cache; items/s = queries per second.
+// kvq_bench_report turns these into fractions of the stream bandwidth and speedups over f16.
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+#include "kvq/attention/attention.hpp"
+#include "kvq/cache/kv_cache.hpp"
+#include "kvq/policy/spec.hpp"
+
+namespace {
+
+constexpr int kKvHeads = 8;
+constexpr int kDim = 128;
+constexpr int kQueryHeads = 32;
+constexpr int64_t kMaxTokens = 32768;
+const char* const kPolicies[] = {"f32", "f16", "fp8", "k8v4", "kivi4", "kivi2", "turbo4"};
+const int64_t kDecodeTokens[] = {1024, 8192, 32768};
+const int64_t kPrefillChunks[] = {16, 128};
+constexpr int64_t kPrefillContext = 2048;
+
+/// Key and value inputs for the largest context, made once.
+const std::vector<float>& input(bool key) {
+  static const std::vector<float> k =
+      kvq_bench::make_input(static_cast<std::size_t>(kMaxTokens) * kKvHeads * kDim, 11);
+  static const std::vector<float> v =
+      kvq_bench::make_input(static_cast<std::size_t>(kMaxTokens) * kKvHeads * kDim, 12);
+  return key ? k : v;
+}
+
+/// A one-layer cache of `tokens` tokens under `policy`, built once per (policy, tokens) and kept
+/// (repetitions reuse it).
+const kvq::KVCache& cache_for(const std::string& policy, int64_t tokens) {
+  static std::map<std::pair<std::string, int64_t>, std::unique_ptr<kvq::KVCache>> caches;
+  auto& slot = caches[{policy, tokens}];
+  if (!slot) {
+    slot = std::make_unique<kvq::KVCache>(kvq::parse_policy(policy), 1, kKvHeads, kDim);
+    const float* k = input(true).data();
+    const float* v = input(false).data();
+    const int64_t row = int64_t{kKvHeads} * kDim;
+    for (int64_t t = 0; t < tokens; t += 1024) {
+      const int64_t n = std::min<int64_t>(1024, tokens - t);
+      slot->append(0, kvq::KVView<const float>::nhd(k + t * row, n, kKvHeads, kDim),
+                   kvq::KVView<const float>::nhd(v + t * row, n, kKvHeads, kDim));
+    }
+  }
+  return *slot;
+}
+
+int64_t stored_bytes(const std::string& policy, int64_t tokens);
+
+void BM_Decode(benchmark::State& state, std::string policy, int64_t tokens) {
+  const kvq::KVCache& c = cache_for(policy, tokens);
+  const auto kv_bytes = static_cast<int64_t>(c.memory_report().total());
+  if (kv_bytes != stored_bytes(policy, tokens)) {
+    state.SkipWithError("stored bytes differ from the registration-time figure");
+    return;
+  }
+  const std::vector<float> q =
+      kvq_bench::make_input(static_cast<std::size_t>(kQueryHeads) * kDim, 3);
+  std::vector<float> out(q.size());
+  kvq::AttentionWorkspace ws;
+  kvq::attend_one(c, 0, q.data(), kQueryHeads, out.data(), ws);  // sizes the workspace
+  for (auto _ : state) {
+    kvq::attend_one(c, 0, q.data(), kQueryHeads, out.data(), ws);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * tokens);
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * kv_bytes);
+  state.counters["kv_bytes"] = static_cast<double>(kv_bytes);
+}
+
+void BM_StreamRead(benchmark::State& state, int64_t bytes) {
+  std::vector<uint64_t> buf(static_cast<std::size_t>((bytes + 7) / 8));
+  for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = i * 0x9e3779b97f4a7c15ull;
+  for (auto _ : state) {
+    uint64_t s = 0;
+    for (uint64_t w : buf) s += w;
+    benchmark::DoNotOptimize(s);
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * bytes);
+}
+
+void BM_Prefill(benchmark::State& state, std::string policy, int64_t chunk) {
+  const kvq::KVCache& c = cache_for(policy, kPrefillContext);
+  const std::vector<float> q =
+      kvq_bench::make_input(static_cast<std::size_t>(chunk) * kQueryHeads * kDim, 4);
+  std::vector<float> out(q.size());
+  kvq::AttentionWorkspace ws;
+  const auto qv = kvq::KVView<const float>::nhd(q.data(), chunk, kQueryHeads, kDim);
+  const auto ov = kvq::KVView<float>::nhd(out.data(), chunk, kQueryHeads, kDim);
+  kvq::attend(c, 0, qv, ov, true, ws);
+  for (auto _ : state) {
+    kvq::attend(c, 0, qv, ov, true, ws);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * chunk);
+}
+
+/// Stored bytes of a (policy, tokens) cache without building the large one: the cache is
+/// periodic in its block size B once past the f32 window, so bytes(n) = bytes(n') + k * (bytes
+/// of one block) with n' = n - k * B a small cache; BM_Decode checks the figure against the
+/// real cache.
+int64_t stored_bytes(const std::string& policy, int64_t tokens) {
+  auto bytes_of = [&](int64_t n) {
+    kvq::KVCache c(kvq::parse_policy(policy), 1, kKvHeads, kDim);
+    const int64_t row = int64_t{kKvHeads} * kDim;
+    // Stored bytes do not depend on the values: a small all-zero input (no 32k-token input
+    // to build at registration time).
+    static std::vector<float> zeros;
+    if (zeros.size() < static_cast<std::size_t>(std::min<int64_t>(n, 1024) * row))
+      zeros.assign(static_cast<std::size_t>(1024 * row), 0.f);
+    const float* k = zeros.data();
+    const float* v = zeros.data();
+    for (int64_t t = 0; t < n; t += 1024) {
+      const int64_t m = std::min<int64_t>(1024, n - t);
+      c.append(0, kvq::KVView<const float>::nhd(k, m, kKvHeads, kDim),
+               kvq::KVView<const float>::nhd(v, m, kKvHeads, kDim));
+    }
+    return c.memory_report();
+  };
+  const int64_t B = std::max<int64_t>(1, bytes_of(0).layers[0].block_tokens);
+  const int64_t small = tokens % B + 8 * B;
+  if (tokens <= small + B) return static_cast<int64_t>(bytes_of(tokens).total());
+  const auto a = static_cast<int64_t>(bytes_of(small).total());
+  const auto b = static_cast<int64_t>(bytes_of(small + B).total());
+  return a + (tokens - small) / B * (b - a);
+}
+
+std::string cpu_model() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("model name", 0) == 0) {
+      const auto p = line.find(':');
+      return p == std::string::npos ? line : line.substr(p + 2);
+    }
+  return "unknown";
+}
+
+std::string cpu_flags() {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("flags", 0) == 0) {
+      std::string out;
+      for (const char* fl : {"avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                             "avx512_bf16", "f16c"})
+        if (line.find(std::string(" ") + fl + " ") != std::string::npos ||
+            line.size() >= std::strlen(fl) &&
+                line.compare(line.size() - std::strlen(fl), std::string::npos, fl) == 0)
+          out += (out.empty() ? "" : " ") + std::string(fl);
+      return out;
+    }
+  return "";
+}
+
+int register_all() {
+  benchmark::AddCustomContext("cpu_model", cpu_model());
+  benchmark::AddCustomContext("cpu_flags", cpu_flags());
+  benchmark::AddCustomContext("kvq_simd", kvq::simd_level());
+  std::set<int64_t> sizes;
+  for (const char* p : kPolicies)
+    for (int64_t n : kDecodeTokens) {
+      const int64_t bytes = stored_bytes(p, n);
+      sizes.insert(bytes);
+      benchmark::RegisterBenchmark(
+          ("BM_Decode/" + std::string(p) + "/" + std::to_string(n)).c_str(),
+          [p = std::string(p), n](benchmark::State& s) { BM_Decode(s, p, n); })
+          ->Unit(benchmark::kMillisecond);
+    }
+  for (int64_t b : sizes)
+    benchmark::RegisterBenchmark(("BM_StreamRead/" + std::to_string(b)).c_str(),
+                                 [b](benchmark::State& s) { BM_StreamRead(s, b); })
+        ->Unit(benchmark::kMillisecond);
+  for (const char* p : kPolicies)
+    for (int64_t c : kPrefillChunks)
+      benchmark::RegisterBenchmark(
+          ("BM_Prefill/" + std::string(p) + "/" + std::to_string(c)).c_str(),
+          [p = std::string(p), c](benchmark::State& s) { BM_Prefill(s, p, c); })
+          ->Unit(benchmark::kMillisecond);
+  return 0;
+}
+
+const int registered = register_all();
+
+}  // namespace
