@@ -27,17 +27,6 @@ using kvq::KVView;
 using kvq::parse_policy;
 using kvq::Policy;
 
-bool supported(const Policy& p, int heads, int head_dim, std::string* why) {
-  try {
-    KVCache c(p, 1, heads, head_dim);
-    return true;
-  } catch (const kvq::Error& e) {
-    if (e.kind() != ErrorKind::kUnsupported) throw;
-    *why = e.what();
-    return false;
-  }
-}
-
 /// Plain fp32 attention over explicit [T, kv_heads, D] tensors (the oracle): float dot
 /// products, max-subtracted softmax in float, float weighted sum.
 std::vector<float> fp32_attention(const std::vector<float>& k, const std::vector<float>& v,
@@ -97,8 +86,6 @@ TEST_P(AttentionOverCache, EqualsFp32AttentionOverTheDequantizedTensors) {
   const AttnCase pc = GetParam();
   const Policy p = parse_policy(pc.spec);
   const int H = pc.kv_heads, nh = H * pc.group, D = 64;
-  std::string why;
-  if (!supported(p, H, D, &why)) GTEST_SKIP() << "not yet: " << why;
   const int64_t T = 173;
   const auto kd = kvq_test::kv_data({T, H, D}, 1, true);
   const auto vd = kvq_test::kv_data({T, H, D}, 2, false);
@@ -280,7 +267,6 @@ TEST(CacheBackend, MatchesFp32BackendUnderF32AndStaysCloseUnderKivi4) {
   EXPECT_THROW(f32.attend(0, 3, row.data(), nh, row.data()), kvq::Error);
 }
 
-#ifdef KVQ_SHARED_DIR
 /// Perplexity of stories260K over the first `lines` lines of tinystories-dev.txt (BOS prepended,
 /// at most 512 tokens per line, every next-token prediction counted).
 double perplexity(kvq::eval::Llama2cModel& model, const kvq::eval::Tokenizer& tok,
@@ -319,12 +305,16 @@ TEST(CacheBackend, RealModelPerplexityUnderPolicies) {
   auto ppl = [&](const char* spec) {
     kvq::CacheBackend be(parse_policy(spec), g);
     const double p = perplexity(model, tok, be, lines);
-    std::printf("  stories260K, %d lines: %-22s perplexity %.4f (fp32 %.4f)\n", lines, spec, p,
+    std::printf("  stories260K, %d lines: %-22s perplexity %.6f (fp32 %.6f)\n", lines, spec, p,
                 base);
     return p;
   };
   EXPECT_NEAR(ppl("f32"), base, 1e-4 * base);
-  EXPECT_LT(ppl("kivi4") / base, 1.01);
+  // kivi4 on this line measures 5.2138 (fp32 5.2268; release build, AVX-512 host, and the same
+  // to 4 decimals in the scalar and sanitizer builds): the bound is that value +-0.05%, so a
+  // change that moves 4-bit perplexity by more than ~0.003 shows here (a 1% ratio bound did not).
+  constexpr double kKivi4Measured = 5.2138;
+  EXPECT_NEAR(ppl("kivi4"), kKivi4Measured, 5e-4 * kKivi4Measured);
   const double k2 = ppl("kivi2,residual=0"), flip = ppl("kivi2-flip,residual=0");
   EXPECT_LT(k2, flip);
 
@@ -340,7 +330,6 @@ TEST(CacheBackend, RealModelPerplexityUnderPolicies) {
   EXPECT_NEAR(ppl_pre("f32"), base, 1e-4 * base);
   EXPECT_LT(ppl_pre("kivi2,residual=0") - base, 0.5 * (k2 - base));
 }
-#endif
 
 // attend() with key_rope over a cache of pre-RoPE keys equals attend() over the same keys
 // rotated beforehand, across every kind of segment (sinks, packed blocks, residual window).
