@@ -60,21 +60,22 @@ std::vector<uint8_t> layer_bytes(const KVCache& c, int layer) {
     const auto* b = static_cast<const uint8_t*>(p);
     out.insert(out.end(), b, b + n);
   };
-  auto put_q = [&](const kvq::QTensor& q) {
+  auto put_q = [&](const kvq::PackedView& q) {  // every array of a packed view
+    const kvq::PackedSizes n = kvq::packed_sizes(q.config, q.shape);
     put(&q.shape, sizeof q.shape);
-    put(q.codes.data(), q.codes.size());
-    put(q.scales.raw().data(), q.scales.raw().size());
-    put(q.zeros.raw().data(), q.zeros.raw().size());
-    put(q.norms.raw().data(), q.norms.raw().size());
-    put(q.qjl_signs.data(), q.qjl_signs.size());
-    put(q.qjl_norms.raw().data(), q.qjl_norms.raw().size());
+    put(q.codes, n.codes);
+    put(q.scales, n.scales);
+    put(q.zeros, n.zeros);
+    put(q.norms, n.norms);
+    put(q.qjl_signs, n.qjl_signs);
+    put(q.qjl_norms, n.qjl_norms);
   };
   c.for_each_segment(layer, [&](const kvq::CacheSegment& s) {
     const int64_t tag[3] = {static_cast<int64_t>(s.kind), s.begin, s.end};
     put(tag, sizeof tag);
     if (s.packed()) {
-      put_q(*s.key);
-      put_q(*s.value);
+      put_q(s.key_view);
+      put_q(s.value_view);
     } else {
       put(s.key_rows.data(), static_cast<std::size_t>(s.key_rows.numel()) * 4);
       put(s.value_rows.data(), static_cast<std::size_t>(s.value_rows.numel()) * 4);
@@ -263,24 +264,39 @@ TEST_P(KVCachePresets, RoundTripHasBoundedErrorAndBytesMatchTheAccountant) {
         c.for_each_segment(l, [&](const kvq::CacheSegment& s) {
           if (s.packed()) {
             ++blocks;
-            EXPECT_EQ(s.key->shape, block);
+            EXPECT_EQ(s.key_view.shape, block);
+            EXPECT_EQ(s.value_view.shape, block);
             acc_k += kvq::account(c.key_config(l), block);
             acc_v += kvq::account(c.value_config(l), block);
-            real_k.codes += s.key->codes.size();
-            real_k.scales += s.key->scales.raw().size();
-            real_k.zeros += s.key->zeros.raw().size();
-            real_k.norms += s.key->norms.raw().size();
-            real_k.residual += s.key->qjl_signs.size() + s.key->qjl_norms.raw().size();
-            real_v += s.value->breakdown();
+            // Real bytes: the arrays the page views point at, plus the page's padding.
+            const kvq::PackedSizes sk = kvq::packed_sizes(s.key_view.config, s.key_view.shape);
+            const kvq::PackedSizes sv = kvq::packed_sizes(s.value_view.config, s.value_view.shape);
+            real_k.codes += sk.codes;
+            real_k.scales += sk.scales;
+            real_k.zeros += sk.zeros;
+            real_k.norms += sk.norms;
+            real_k.residual += sk.qjl_signs + sk.qjl_norms;
+            real_v.codes += sv.codes;
+            real_v.scales += sv.scales;
+            real_v.zeros += sv.zeros;
+            real_v.norms += sv.norms;
+            real_v.residual += sv.qjl_signs + sv.qjl_norms;
           } else {
             const std::size_t bytes = static_cast<std::size_t>(s.key_rows.numel()) * 4;
             (s.kind == kvq::CacheSegment::Kind::kSinks ? sinks : residual) += bytes;
           }
         });
-        EXPECT_EQ(lm.key.packed, acc_k);
-        EXPECT_EQ(lm.value.packed, acc_v);
-        EXPECT_EQ(lm.key.packed, real_k);
-        EXPECT_EQ(lm.value.packed, real_v);
+        // Pages: accountant + alignment padding (its own kind), and pages x page bytes.
+        kvq::ByteBreakdown kdata = lm.key.packed, vdata = lm.value.packed;
+        kdata.padding = vdata.padding = 0;
+        EXPECT_EQ(kdata, acc_k);
+        EXPECT_EQ(vdata, acc_v);
+        EXPECT_EQ(kdata, real_k);
+        EXPECT_EQ(vdata, real_v);
+        EXPECT_EQ(lm.key.packed.total() + lm.value.packed.total(),
+                  blocks * c.page_layout(l).bytes);
+        EXPECT_EQ(lm.key.packed.padding + lm.value.packed.padding,
+                  blocks * c.page_layout(l).padding());
         EXPECT_EQ(lm.key.sinks, sinks);
         EXPECT_EQ(lm.key.residual, residual);
         EXPECT_EQ(lm.value.residual, residual);
@@ -288,12 +304,15 @@ TEST_P(KVCachePresets, RoundTripHasBoundedErrorAndBytesMatchTheAccountant) {
         EXPECT_EQ(lm.key.residual, static_cast<std::size_t>(c.residual_tokens(l) * H * D * 4));
         EXPECT_EQ(lm.total(), lm.key.total() + lm.value.total());
       }
-      // Bookkeeping is bounded: block headers (vector growth at most doubles the two block
-      // lists), the unused capacity of the four f32 windows (never above the most they can
-      // hold: R + B - 1 tokens for the residual, S for the sinks), and a fixed part.
+      // Bookkeeping is bounded: free page slots (a chunk adds at most half the capacity, at
+      // least one page) and the page table, the unused capacity of the four f32 windows (never
+      // above the most they can hold: R + B - 1 tokens for the residual, S for the sinks) and
+      // of the two rollback buffers (B tokens), and a fixed part.
       std::size_t bound = 4096 + L * 1024;
       for (const auto& lm : m.layers) {
-        bound += 4 * static_cast<std::size_t>(lm.blocks) * sizeof(kvq::QTensor);
+        bound += (static_cast<std::size_t>(lm.blocks) / 2 + 1) * lm.page_bytes +
+                 48 * static_cast<std::size_t>(lm.blocks + 2);
+        bound += static_cast<std::size_t>(2 * lm.block_tokens * H * D) * sizeof(float);
         const int64_t window = 2 * (p.residual + lm.block_tokens - 1) + 2 * p.sinks;
         bound += static_cast<std::size_t>(window * H * D) * sizeof(float);
       }
@@ -438,8 +457,8 @@ TEST(KVCacheSegments, SegmentsTileTheTokensInOrder) {
     if (s.packed()) {
       ++packed;
       EXPECT_EQ(s.tokens(), 32);
-      EXPECT_EQ(s.key->shape, (Shape{32, 2, 16}));
-      EXPECT_EQ(s.value->shape, (Shape{32, 2, 16}));
+      EXPECT_EQ(s.key_view.shape, (Shape{32, 2, 16}));
+      EXPECT_EQ(s.value_view.shape, (Shape{32, 2, 16}));
     } else {
       EXPECT_EQ(s.key_rows.shape(), (Shape{s.tokens(), 2, 16}));
       EXPECT_TRUE(s.key_rows.is_contiguous_nhd());

@@ -1,44 +1,56 @@
 #pragma once
 /// \file kv_cache.hpp
-/// Streaming quantized KV cache for a whole model, stored under a Policy.
+/// Streaming quantized KV cache for a whole model, stored under a Policy, in pages.
 ///
 /// Per layer and for K and V alike, the tokens [0, n) live in three consecutive regions:
 ///
 ///   [0, s)            sinks: the first min(n, policy.sinks) tokens, f32, never quantized
-///   [s, s + P)        packed: P / B blocks of B tokens, each a QTensor [B, kv_heads, head_dim]
-///                     made by quantize() under the layer's key (value) config
+///   [s, s + P)        packed: P / B pages of B tokens; page j holds the keys AND values of
+///                     tokens [s + jB, s + (j+1)B), each quantized under the layer's key (value)
+///                     config, laid out as layout/page_layout.hpp says (docs/layout.md)
 ///   [s + P, n)        residual window: the newest r = n - s - P tokens, f32
+///
+/// Pages come from one PageArena per layer (cache/page_arena.hpp): fixed-size, 64-byte aligned,
+/// never moved once allocated. page_table(layer) exposes them (page pointers, token count,
+/// PageLayout) so an engine can run kvq's kernels over them, or over pages it allocated itself
+/// and filled with quantize_page(). reserve(tokens) allocates everything a layer needs up to
+/// `tokens`; after it, append() allocates nothing (tests/cache/test_paged_cache.cpp counts).
 ///
 /// Block size. Let Gt(cfg) be the token extent of one scale group: 1 for the token axis,
 /// Lloyd-Max and raw formats; G for the channel, head and tensor axes (kStreamGroupTokens = 32
 /// when the config says group 0, "all tokens", which a stream cannot wait for). Then
-///   B = lcm(Gt(key), Gt(value)) rounded up to a multiple >= kMinBlockTokens (16).
-/// The floor of 16 tokens keeps per-block bookkeeping (a 288-byte QTensor header plus its heap
-/// allocations, Lloyd-Max's 8-byte seed) small next to the data: one-token blocks of 4-bit
-/// Lloyd-Max with 8 x 128 values (536 bytes of data) would carry ~60% bookkeeping. Per-token groups
-/// quantize each token on its own, so the larger block changes no stored value, only how long a
-/// token stays f32.
+///   B = lcm(Gt(key), Gt(value)) rounded up to a multiple >= kMinBlockTokens (16),
+/// and B <= kMaxBlockTokens (4096; larger is a spec error, policy/spec.hpp). The floor of 16
+/// tokens keeps a page's alignment padding (at most 63 bytes per region) small next to its
+/// data. Per-token groups quantize each token on its own, so the larger block changes no
+/// stored value, only how long a token stays f32.
 ///
 /// Flush rule (KIVI). After every append, while r >= R + B (R = policy.residual), the oldest B
-/// residual tokens are quantized into one block. Hence, once a layer holds at least R tokens
+/// residual tokens are quantized into one page. Hence, once a layer holds at least R tokens
 /// after its sinks, R <= r <= R + B - 1: the newest R tokens are always full precision and at
 /// most B - 1 more are waiting for their block to fill. Starting from an empty cache the split
 /// depends only on n (not on how appends were chunked):
 ///   P = B * floor(max(0, n - s - R) / B).
 ///
-/// Truncation (rollback). truncate(n) keeps the tokens [0, n). Packed blocks that end at or
-/// before n stay untouched, blocks after n are dropped, sinks and residual are cut. A cut that
-/// falls in the sinks, in the residual or on a block boundary is exact: appending the dropped
-/// tokens again reproduces the bytes of a cache that never dropped them. A cut strictly inside a
-/// packed block cannot restore the full-precision originals (they were never kept): the block
-/// is dequantized and its kept tokens become the residual, holding the values attention already
-/// saw; when that block fills again it is quantized from those values (a second rounding of
-/// fewer than B tokens), so its bytes can differ from a cache that never saw the dropped tokens.
-/// truncate_is_exact() tells which case a cut is. No block other than the cut one is ever
-/// unpacked, so after a truncation r may be below R until the window refills.
+/// Truncation (rollback). truncate(n) keeps the tokens [0, n). The cache keeps the f32
+/// originals of the most recently packed block until the next flush (KVCacheOptions::
+/// exact_rollback, on by default; their bytes are reported as StreamBytes::rollback). So:
+///  - if the newest page [b, b + B) was packed at a moment when the layer held more than n
+///    tokens (that is, n < b + B + R), truncate(n) unpacks it from those originals: its kept
+///    tokens go back to the residual window exactly as they were. Hence any append of k <= B
+///    tokens (speculative drafts; one append flushes at most one block then) followed by
+///    truncate back to n leaves the layer byte for byte as a cache that was only ever fed the
+///    first n tokens: same pages, same f32 windows, same attention;
+///  - otherwise pages that end at or before n stay untouched, pages after n are dropped, sinks
+///    and residual are cut. A cut strictly inside an older page (whose originals are gone)
+///    cannot restore the full-precision originals: that page is dequantized and its kept tokens
+///    become the residual, holding the values attention already saw; when that block fills
+///    again it is quantized from those values (a second rounding), so its bytes can differ
+///    from a cache that never saw the dropped tokens. truncate_is_exact() tells which case a
+///    cut is. After a truncation r may be below R until the window refills.
 ///
 /// Errors. Every operation validates its whole input before it changes anything and quantizes
-/// into scratch blocks that are committed only on success, so a throwing call leaves the cache
+/// into free page slots that are published only on success, so a throwing call leaves the cache
 /// exactly as it was. append() rejects NaN/Inf (naming layer, token, head and channel) and,
 /// because the token would only fail later when its block is flushed, values a layer's formats
 /// cannot store: |x| > 65504 when the layer stores f16 values or fp16 metadata, and a vector
@@ -59,6 +71,8 @@
 #include "kvq/core/half.hpp"
 #include "kvq/core/rows.hpp"
 #include "kvq/core/tensor.hpp"
+#include "kvq/cache/page_arena.hpp"
+#include "kvq/layout/page_layout.hpp"
 #include "kvq/policy/spec.hpp"
 #include "kvq/quant/packed_view.hpp"
 #include "kvq/quant/qtensor.hpp"
@@ -66,42 +80,15 @@
 
 namespace kvq {
 
-/// Token extent of a "whole extent" (group 0) scale group on the channel, head or tensor axis
-/// inside a streaming cache (a stream cannot wait for "all tokens").
-inline constexpr int64_t kStreamGroupTokens = 32;
-/// Smallest packed block, in tokens (see the file comment).
-inline constexpr int64_t kMinBlockTokens = 16;
 /// Largest magnitude accepted for data stored as f16 or with fp16 metadata (the fp16 maximum).
 inline constexpr float kMaxF16Magnitude = 65504.f;
 
 namespace detail {
 
-/// Tokens one scale group spans in a stream (Gt in the file comment).
-inline int64_t group_token_extent(const QuantConfig& c) {
-  if (c.is_raw() || c.format == Format::kLloydMax || c.axis == Axis::kToken) return 1;
-  return c.group > 0 ? c.group : kStreamGroupTokens;
-}
-
-/// The config a layer's blocks are quantized with: group 0 on a token-spanning axis becomes
-/// kStreamGroupTokens, so that every block holds whole groups of a fixed, documented size.
-inline QuantConfig streaming_config(QuantConfig c) {
-  const bool spans = !c.is_raw() && c.format != Format::kLloydMax && c.axis != Axis::kToken;
-  if (spans && c.group == 0) c.group = kStreamGroupTokens;
-  return c;
-}
-
-/// B: lcm of both token extents, rounded up to a multiple >= kMinBlockTokens.
-inline int64_t stream_block_tokens(const QuantConfig& k, const QuantConfig& v) {
-  const int64_t l = std::lcm(group_token_extent(k), group_token_extent(v));
-  return l * ((kMinBlockTokens + l - 1) / l);
-}
-
 /// True when data stored under `c` must stay within the fp16 range.
 inline bool needs_f16_range(const QuantConfig& c) {
   return c.format == Format::kF16 || (!c.is_raw() && c.meta == MetaDType::kF16);
 }
-
-inline std::size_t capacity_slack(const std::vector<uint8_t>& v) { return v.capacity() - v.size(); }
 
 }  // namespace detail
 
@@ -111,10 +98,8 @@ struct CacheSegment {
   Kind kind = Kind::kSinks;
   int64_t begin = 0;  ///< first token position
   int64_t end = 0;    ///< one past the last token position
-  /// kPacked: the quantized blocks, each [end - begin, kv_heads, head_dim].
-  const QTensor* key = nullptr;
-  const QTensor* value = nullptr;
-  /// kPacked: the same blocks as views (what kernels read; pages give the same views).
+  /// kPacked: the keys and values of one page, [end - begin, kv_heads, head_dim] each, as
+  /// views into the page (what kernels read; pages an engine fills give the same views).
   PackedView key_view;
   PackedView value_view;
   /// kSinks / kResidual: f32 rows, contiguous [end - begin, kv_heads, head_dim].
@@ -126,19 +111,25 @@ struct CacheSegment {
 
 /// Bytes of one layer's keys (or values), by kind.
 struct StreamBytes {
-  /// The packed blocks: sum of QTensor::breakdown() (packed.residual is QJL bits + norms).
+  /// The pages: per page, the accountant's figure for this tensor's B tokens
+  /// (account(config, [B, kv_heads, head_dim])) plus the alignment padding of its page regions
+  /// (packed.padding); packed.residual is QJL bits + norms. Keys own the page bytes before the
+  /// value codes, values the rest, so key + value packed bytes == pages x page bytes.
   ByteBreakdown packed;
   std::size_t sinks = 0;     ///< f32 sink tokens
   std::size_t residual = 0;  ///< f32 residual window
-  std::size_t total() const { return packed.total() + sinks + residual; }
+  std::size_t rollback = 0;  ///< f32 originals of the newest page (exact rollback), or 0
+  std::size_t total() const { return packed.total() + sinks + residual + rollback; }
   StreamBytes& operator+=(const StreamBytes& o) {
     packed += o.packed;
     sinks += o.sinks;
     residual += o.residual;
+    rollback += o.rollback;
     return *this;
   }
   bool operator==(const StreamBytes& o) const {
-    return packed == o.packed && sinks == o.sinks && residual == o.residual;
+    return packed == o.packed && sinks == o.sinks && residual == o.residual &&
+           rollback == o.rollback;
   }
 };
 
@@ -149,21 +140,25 @@ struct LayerMemory {
   int64_t sink_tokens = 0;
   int64_t packed_tokens = 0;
   int64_t residual_tokens = 0;
-  int64_t blocks = 0;        ///< packed blocks (each of K and V)
+  int64_t blocks = 0;        ///< pages in use (each holds B tokens of K and V)
   int64_t block_tokens = 0;  ///< B
+  std::size_t page_bytes = 0;  ///< bytes of one page (PageLayout::bytes)
   QuantConfig key_config, value_config;
   StreamBytes key, value;
   std::size_t total() const { return key.total() + value.total(); }
 };
 
-/// What the cache stores, by layer and kind. total() counts stored data only (codes,
-/// metadata, f32 sinks and residual); `overhead` is the bookkeeping around it (block headers,
-/// vector capacity not in use, the cache object) and excludes allocator headers.
+/// What the cache stores, by layer and kind. total() counts the bytes that hold tokens: pages
+/// in use (codes, metadata and their alignment padding), f32 sinks and residual, and the f32
+/// rollback originals. `overhead` is the memory around them (free page slots, page tables,
+/// vector capacity not in use, the cache object; allocator headers excluded); `scratch` is the
+/// per-call working memory (staging of the largest chunk appended, the quantizer workspace).
 struct MemoryReport {
   int kv_heads = 0;
   int head_dim = 0;
   std::vector<LayerMemory> layers;
   std::size_t overhead = 0;
+  std::size_t scratch = 0;
 
   StreamBytes key_total() const {
     StreamBytes s;
@@ -193,23 +188,26 @@ struct MemoryReport {
     return t > 0 ? 2.0 * static_cast<double>(elements()) / static_cast<double>(t) : 0.0;
   }
 
-  /// A table: one row per layer, bytes by kind (K and V summed), totals and ratios. "seeds"
-  /// are rotation seeds; "other" is outliers + codebooks (formats that store them).
+  /// A table: one row per layer, bytes by kind (K and V summed), totals and ratios. "pad" is
+  /// page alignment padding; "other" is outliers + codebooks (formats that store them);
+  /// "rollback" the f32 originals kept for exact rollback.
   std::string str() const {
     std::string s;
     char line[256];
-    std::snprintf(line, sizeof line, "%5s %7s %6s %10s %9s %9s %8s %8s %6s %6s %9s %10s %11s %6s\n",
-                  "layer", "tokens", "blocks", "codes", "scales", "zeros", "norms", "qjl", "pad",
-                  "other", "sinks", "residual", "total", "bits");
+    std::snprintf(line, sizeof line,
+                  "%5s %7s %6s %10s %9s %9s %8s %8s %6s %6s %9s %10s %9s %11s %6s\n", "layer",
+                  "tokens", "pages", "codes", "scales", "zeros", "norms", "qjl", "pad", "other",
+                  "sinks", "residual", "rollback", "total", "bits");
     s += line;
     auto row = [&](const char* name, int64_t tokens, int64_t blocks, const StreamBytes& b) {
       const int64_t n = 2 * tokens * kv_heads * head_dim;
       std::snprintf(line, sizeof line,
-                    "%5s %7lld %6lld %10zu %9zu %9zu %8zu %8zu %6zu %6zu %9zu %10zu %11zu %6.2f\n",
+                    "%5s %7lld %6lld %10zu %9zu %9zu %8zu %8zu %6zu %6zu %9zu %10zu %9zu %11zu "
+                    "%6.2f\n",
                     name, static_cast<long long>(tokens), static_cast<long long>(blocks),
                     b.packed.codes, b.packed.scales, b.packed.zeros, b.packed.norms,
                     b.packed.residual, b.packed.padding, b.packed.outliers + b.packed.codebooks,
-                    b.sinks, b.residual, b.total(),
+                    b.sinks, b.residual, b.rollback, b.total(),
                     n > 0 ? 8.0 * static_cast<double>(b.total()) / static_cast<double>(n) : 0.0);
       s += line;
     };
@@ -225,13 +223,22 @@ struct MemoryReport {
     }
     row("all", tokens, blocks, all);
     std::snprintf(line, sizeof line,
-                  "keys %zu B, values %zu B, data %zu B + bookkeeping %zu B; %.3f bits/value, "
-                  "%.2fx smaller than f16\n",
-                  key_total().total(), value_total().total(), total(), overhead, effective_bits(),
-                  compression_vs_f16());
+                  "keys %zu B, values %zu B, data %zu B + bookkeeping %zu B + scratch %zu B; "
+                  "%.3f bits/value, %.2fx smaller than f16\n",
+                  key_total().total(), value_total().total(), total(), overhead, scratch,
+                  effective_bits(), compression_vs_f16());
     s += line;
     return s;
   }
+};
+
+
+/// Options of a KVCache beyond its policy.
+struct KVCacheOptions {
+  /// Keep the f32 originals of the newest page until the next flush, so that a rollback of up
+  /// to one block (speculative decoding) is exact (file comment). Costs B rows of f32 keys and
+  /// values per layer, reported as StreamBytes::rollback.
+  bool exact_rollback = true;
 };
 
 /// The streaming quantized KV cache (see the file comment for the storage rules).
@@ -240,14 +247,17 @@ class KVCache {
   /// A cache for `n_layers` layers of `n_kv_heads` x `head_dim` keys and values under `policy`.
   /// max_tokens > 0 bounds the tokens of every layer (0 = unbounded). Throws for an invalid
   /// policy, an override of a layer that does not exist, a token-axis group that does not divide
-  /// head_dim, or a format this build cannot store (each layer's formats are tried on a small
-  /// block here, so such errors surface at construction, not at the first flush).
-  KVCache(Policy policy, int n_layers, int n_kv_heads, int head_dim, int max_tokens = 0)
+  /// head_dim, a block beyond kMaxBlockTokens or a page beyond kMaxPageBytes, or a format this
+  /// build cannot store (each layer's formats are tried on a small page here, so such errors
+  /// surface at construction, not at the first flush).
+  KVCache(Policy policy, int n_layers, int n_kv_heads, int head_dim, int max_tokens = 0,
+          KVCacheOptions options = {})
       : policy_(std::move(policy)),
         n_layers_(n_layers),
         kv_heads_(n_kv_heads),
         head_dim_(head_dim),
-        max_tokens_(max_tokens) {
+        max_tokens_(max_tokens),
+        options_(options) {
     KVQ_REQUIRE(n_layers > 0 && n_kv_heads > 0 && head_dim > 0 && max_tokens >= 0, kInvalidArgument,
                 "KVCache: n_layers, n_kv_heads and head_dim must be > 0 and "
                 "max_tokens >= 0, got n_layers=",
@@ -259,27 +269,52 @@ class KVCache {
                   kv.first, " but the model has ", n_layers, " layers");
     row_ = int64_t{n_kv_heads} * head_dim;
     layers_.resize(static_cast<std::size_t>(n_layers));
-    std::vector<QuantConfig> tried;
+    std::vector<std::pair<QuantConfig, QuantConfig>> tried;
     for (int l = 0; l < n_layers; ++l) {
       Layer& L = layers_[static_cast<std::size_t>(l)];
       L.kcfg = detail::streaming_config(policy_.key_for(l, n_layers));
       L.vcfg = detail::streaming_config(policy_.value_for(l, n_layers));
       L.block = detail::stream_block_tokens(L.kcfg, L.vcfg);
       L.skipped = policy_.skips(l, n_layers) && policy_.overrides.count(l) == 0;
-      check_config(l, "key", L.kcfg, L.block, tried);
-      check_config(l, "value", L.vcfg, L.block, tried);
+      check_config(l, "key", L.kcfg);
+      check_config(l, "value", L.vcfg);
+      L.layout = make_layout(l, L);
+      L.pages = PageArena(L.layout.bytes);
+      probe(l, L, tried);
     }
   }
 
   /// Appends k and v, each [tokens, kv_heads, head_dim] (any strides), to `layer`: a prefill
-  /// chunk or one decode token. Full blocks are quantized as the flush rule says.
+  /// chunk or one decode token. Full blocks are quantized into pages as the flush rule says.
   void append(int layer, KVView<const float> k, KVView<const float> v) { append_impl(layer, k, v); }
   void append(int layer, KVView<const f16> k, KVView<const f16> v) { append_impl(layer, k, v); }
   void append(int layer, KVView<const bf16> k, KVView<const bf16> v) { append_impl(layer, k, v); }
 
+  /// Allocates what every layer needs to hold `tokens` tokens (pages, page table, f32 windows,
+  /// rollback rows, single-token staging and the quantizer workspace), so that appending up to
+  /// `tokens` tokens one at a time allocates nothing. Changes no token; may throw bad_alloc.
+  void reserve(int64_t tokens) {
+    KVQ_REQUIRE(tokens >= 0 && (max_tokens_ == 0 || tokens <= max_tokens_), kOutOfRange,
+                "KVCache::reserve: ", tokens, " tokens is outside [0, max_tokens=", max_tokens_,
+                "]");
+    const int64_t S = policy_.sinks, R = policy_.residual;
+    for (Layer& L : layers_) {
+      const int64_t after_sinks = std::max<int64_t>(0, tokens - S);
+      L.pages.reserve(static_cast<std::size_t>(std::max<int64_t>(0, after_sinks - R) / L.block));
+      for (auto* w : {&L.sink_k, &L.sink_v}) reserve_rows(*w, std::min(tokens, S));
+      for (auto* w : {&L.res_k, &L.res_v})
+        reserve_rows(*w, std::min(after_sinks, R + L.block - 1));
+      if (options_.exact_rollback && after_sinks >= L.block + R)
+        for (auto* w : {&L.roll_k, &L.roll_v}) reserve_rows(*w, L.block);
+      for (auto* w : {&gather_k_, &gather_v_})
+        if (after_sinks >= L.block + R) reserve_rows(*w, L.block);
+    }
+    if (tokens > 0)
+      for (auto* w : {&stage_k_, &stage_v_}) reserve_rows(*w, 1);
+  }
+
   /// Dequantizes tokens [begin, end) of `layer` into k_out and v_out ([end - begin, kv_heads,
-  /// head_dim], any strides). At most one packed block is materialized at a time (blocks wholly
-  /// inside the range are dequantized straight into the output).
+  /// head_dim], any strides), straight from the pages (any token range of a page).
   void read(int layer, int64_t begin, int64_t end, KVView<float> k_out, KVView<float> v_out) const {
     const Layer& L = at(layer, "read");
     KVQ_REQUIRE(0 <= begin && begin <= end && end <= L.tokens, kOutOfRange,
@@ -289,7 +324,7 @@ class KVCache {
     KVQ_REQUIRE(k_out.shape() == want && v_out.shape() == want, kShapeMismatch,
                 "KVCache::read: outputs must be ", want.str(), ", got keys ", k_out.shape().str(),
                 " and values ", v_out.shape().str());
-    std::vector<float> kbuf, vbuf;  // [B, kv_heads, head_dim] one partially read block
+    QuantWorkspace ws;
     for_each_segment(layer, [&](const CacheSegment& s) {
       const int64_t a = std::max(begin, s.begin), b = std::min(end, s.end);
       if (a >= b) return;
@@ -300,26 +335,13 @@ class KVCache {
         copy_rows(s.value_rows.slice_tokens(a - s.begin, b - a), vo);
         return;
       }
-      if (a == s.begin && b == s.end) {
-        dequantize(*s.key, ko);
-        dequantize(*s.value, vo);
-        return;
-      }
-      const auto n = static_cast<std::size_t>(s.tokens() * row_);
-      kbuf.resize(n);
-      vbuf.resize(n);
-      const auto kb = KVView<float>::nhd(kbuf.data(), s.tokens(), kv_heads_, head_dim_);
-      const auto vb = KVView<float>::nhd(vbuf.data(), s.tokens(), kv_heads_, head_dim_);
-      dequantize(*s.key, kb);
-      dequantize(*s.value, vb);
-      copy_rows(KVView<const float>(kb).slice_tokens(a - s.begin, b - a), ko);
-      copy_rows(KVView<const float>(vb).slice_tokens(a - s.begin, b - a), vo);
+      dequantize_tokens(s.key_view, a - s.begin, ko, ws);
+      dequantize_tokens(s.value_view, a - s.begin, vo, ws);
     });
   }
 
-  /// Calls fn(const CacheSegment&) for the sinks, every packed block and the residual of
-  /// `layer`, in token order (empty regions are skipped). Views and pointers stay valid until
-  /// the next non-const call.
+  /// Calls fn(const CacheSegment&) for the sinks, every page and the residual of `layer`, in
+  /// token order (empty regions are skipped). Views stay valid until the next non-const call.
   template <class Fn>
   void for_each_segment(int layer, Fn&& fn) const {
     const Layer& L = at(layer, "for_each_segment");
@@ -333,15 +355,13 @@ class KVCache {
       seg.value_rows = KVView<const float>::nhd(L.sink_v.data(), s, kv_heads_, head_dim_);
       fn(static_cast<const CacheSegment&>(seg));
     }
-    for (std::size_t j = 0; j < L.kblocks.size(); ++j) {
+    for (std::size_t j = 0; j < L.pages.size(); ++j) {
       CacheSegment p;
       p.kind = CacheSegment::Kind::kPacked;
       p.begin = s + static_cast<int64_t>(j) * L.block;
       p.end = p.begin + L.block;
-      p.key = &L.kblocks[j];
-      p.value = &L.vblocks[j];
-      p.key_view = view_of(L.kblocks[j]);
-      p.value_view = view_of(L.vblocks[j]);
+      p.key_view = L.layout.key_view(L.pages.page(j));
+      p.value_view = L.layout.value_view(L.pages.page(j));
       fn(static_cast<const CacheSegment&>(p));
     }
     const int64_t r = residual_count(L);
@@ -356,11 +376,27 @@ class KVCache {
     }
   }
 
+  /// `layer`'s packed tokens as a page table (valid until the next non-const call): the page
+  /// pointers, their layout, and the packed token range [first_token, first_token + tokens).
+  /// Sinks and the residual window are f32 rows (for_each_segment()).
+  PageTable page_table(int layer) const {
+    const Layer& L = at(layer, "page_table");
+    PageTable t;
+    t.layout = L.layout;
+    t.pages = L.pages.table();
+    t.n_pages = static_cast<int64_t>(L.pages.size());
+    t.first_token = sink_count(L);
+    t.tokens = packed_count(L);
+    return t;
+  }
+  /// The layout of `layer`'s pages.
+  const PageLayout& page_layout(int layer) const { return at(layer, "page_layout").layout; }
+
   /// Keeps tokens [0, n) of every layer (see the file comment for exactness). Throws
   /// kOutOfRange, changing nothing, when a layer holds fewer than n tokens.
   void truncate(int64_t n) {
     for (int l = 0; l < n_layers_; ++l) check_truncate(l, n);
-    // Dequantize every cut block first, so that nothing changes unless all layers can commit.
+    // Dequantize every cut page first, so that nothing changes unless all layers can commit.
     std::vector<std::pair<std::vector<float>, std::vector<float>>> cut(layers_.size());
     for (int l = 0; l < n_layers_; ++l) cut[static_cast<std::size_t>(l)] = cut_block_rows(l, n);
     for (int l = 0; l < n_layers_; ++l)
@@ -371,14 +407,17 @@ class KVCache {
     check_truncate(layer, n);
     commit_truncate(layer, n, cut_block_rows(layer, n));
   }
-  /// True when truncate(layer, n) is exact: the cut falls in the sinks, in the residual or on a
-  /// packed block boundary (then re-appending the dropped tokens reproduces the same bytes).
+  /// True when truncate(layer, n) is exact: every kept token keeps its original value and bytes
+  /// (the cut falls in the sinks, in the residual, on a page boundary, or in the newest page
+  /// while its f32 originals are kept), so re-appending the dropped tokens reproduces the same
+  /// bytes. False when the cut falls strictly inside an older page (it is re-rounded).
   bool truncate_is_exact(int layer, int64_t n) const {
     check_truncate(layer, n);
     const Layer& L = layers_[static_cast<std::size_t>(layer)];
     const int64_t s = sink_count(L);
     const int64_t packed_end = s + packed_count(L);
-    return n <= s || n >= packed_end || (n - s) % L.block == 0;
+    return n <= s || n >= packed_end || (n - s) % L.block == 0 ||
+           (L.roll && n >= packed_end - L.block);
   }
 
   /// Drops every token of every layer (configs and reserved capacity stay).
@@ -387,10 +426,10 @@ class KVCache {
       L.tokens = 0;
       L.sink_k.clear();
       L.sink_v.clear();
-      L.kblocks.clear();
-      L.vblocks.clear();
+      L.pages.resize(0);
       L.res_k.clear();
       L.res_v.clear();
+      L.roll = false;
     }
   }
 
@@ -398,9 +437,9 @@ class KVCache {
   int64_t sink_tokens(int layer) const { return sink_count(at(layer, "sink_tokens")); }
   int64_t packed_tokens(int layer) const { return packed_count(at(layer, "packed_tokens")); }
   int64_t residual_tokens(int layer) const { return residual_count(at(layer, "residual_tokens")); }
-  /// B of `layer` (tokens per packed block).
+  /// B of `layer` (tokens per page).
   int64_t block_tokens(int layer) const { return at(layer, "block_tokens").block; }
-  /// The config `layer`'s key blocks are quantized with (the policy's, with group 0 on a
+  /// The config `layer`'s key pages are quantized with (the policy's, with group 0 on a
   /// token-spanning axis resolved to kStreamGroupTokens).
   const QuantConfig& key_config(int layer) const { return at(layer, "key_config").kcfg; }
   const QuantConfig& value_config(int layer) const { return at(layer, "value_config").vcfg; }
@@ -408,18 +447,21 @@ class KVCache {
   bool skipped(int layer) const { return at(layer, "skipped").skipped; }
 
   const Policy& policy() const { return policy_; }
+  const KVCacheOptions& options() const { return options_; }
   int n_layers() const { return n_layers_; }
   int kv_heads() const { return kv_heads_; }
   int head_dim() const { return head_dim_; }
   int max_tokens() const { return max_tokens_; }
 
-  /// Bytes by layer and kind. For every layer, key.packed equals the sum over its blocks of
-  /// account(key_config(layer), block shape) (and likewise for values).
+  /// Bytes by layer and kind. For every layer, key.packed + value.packed equals pages in use x
+  /// page bytes, and key.packed minus its padding equals pages x account(key_config(layer),
+  /// [B, kv_heads, head_dim]) (likewise for values).
   MemoryReport memory_report() const {
     MemoryReport m;
     m.kv_heads = kv_heads_;
     m.head_dim = head_dim_;
     m.overhead = sizeof(KVCache) + layers_.capacity() * sizeof(Layer);
+    auto slack = [](const std::vector<float>& v) { return (v.capacity() - v.size()) * sizeof(float); };
     for (int l = 0; l < n_layers_; ++l) {
       const Layer& L = layers_[static_cast<std::size_t>(l)];
       LayerMemory lm;
@@ -428,29 +470,31 @@ class KVCache {
       lm.sink_tokens = sink_count(L);
       lm.packed_tokens = packed_count(L);
       lm.residual_tokens = residual_count(L);
-      lm.blocks = static_cast<int64_t>(L.kblocks.size());
+      lm.blocks = static_cast<int64_t>(L.pages.size());
       lm.block_tokens = L.block;
+      lm.page_bytes = L.layout.bytes;
       lm.key_config = L.kcfg;
       lm.value_config = L.vcfg;
-      for (const QTensor& q : L.kblocks) lm.key.packed += q.breakdown();
-      for (const QTensor& q : L.vblocks) lm.value.packed += q.breakdown();
+      const auto pages = L.pages.size();
+      lm.key.packed = scaled(key_page_bytes(L.layout), pages);
+      lm.value.packed = scaled(value_page_bytes(L.layout), pages);
       lm.key.sinks = L.sink_k.size() * sizeof(float);
       lm.value.sinks = L.sink_v.size() * sizeof(float);
       lm.key.residual = L.res_k.size() * sizeof(float);
       lm.value.residual = L.res_v.size() * sizeof(float);
-      m.overhead += (L.kblocks.capacity() + L.vblocks.capacity()) * sizeof(QTensor);
-      for (const auto* blocks : {&L.kblocks, &L.vblocks}) {
-        for (const QTensor& q : *blocks) {
-          m.overhead +=
-              detail::capacity_slack(q.codes) + detail::capacity_slack(q.scales.raw()) +
-              detail::capacity_slack(q.zeros.raw()) + detail::capacity_slack(q.norms.raw()) +
-              detail::capacity_slack(q.qjl_signs) + detail::capacity_slack(q.qjl_norms.raw());
-        }
-      }
-      for (const auto* v : {&L.sink_k, &L.sink_v, &L.res_k, &L.res_v})
-        m.overhead += (v->capacity() - v->size()) * sizeof(float);
+      lm.key.rollback = L.roll ? L.roll_k.size() * sizeof(float) : 0;
+      lm.value.rollback = L.roll ? L.roll_v.size() * sizeof(float) : 0;
+      m.overhead += L.pages.allocated_bytes() - pages * L.layout.bytes;
+      for (const auto* v : {&L.sink_k, &L.sink_v, &L.res_k, &L.res_v}) m.overhead += slack(*v);
+      for (const auto* v : {&L.roll_k, &L.roll_v})
+        m.overhead += L.roll ? slack(*v) : v->capacity() * sizeof(float);
       m.layers.push_back(lm);
     }
+    for (const auto* v : {&stage_k_, &stage_v_, &gather_k_, &gather_v_})
+      m.scratch += v->capacity() * sizeof(float);
+    for (const auto* v : {&ws_.buf, &ws_.u, &ws_.r, &ws_.lo, &ws_.hi, &ws_.zv, &ws_.iv})
+      m.scratch += v->capacity() * sizeof(float);
+    m.scratch += ws_.codes.capacity() + ws_.signs.capacity();
     return m;
   }
 
@@ -460,10 +504,38 @@ class KVCache {
     int64_t block = 1;       // B
     bool skipped = false;
     int64_t tokens = 0;
+    PageLayout layout;                      // pages of B tokens
+    PageArena pages;                        // pages in use: [0, pages.size())
     std::vector<float> sink_k, sink_v;      // [sink tokens, kv_heads, head_dim]
-    std::vector<QTensor> kblocks, vblocks;  // each [B, kv_heads, head_dim]
     std::vector<float> res_k, res_v;        // [residual tokens, kv_heads, head_dim]
+    std::vector<float> roll_k, roll_v;      // [B, kv_heads, head_dim] originals of the newest page
+    bool roll = false;                      // roll_k / roll_v hold the newest page's originals
   };
+
+  /// Key bytes of one page: the accountant's figure for the page's keys and the padding up to
+  /// the value codes (so every region kind a format stores is counted by its own name).
+  static ByteBreakdown key_page_bytes(const PageLayout& p) {
+    ByteBreakdown b = account(p.key, p.page_shape());
+    b.padding = p.v.codes.offset - b.total();
+    return b;
+  }
+  /// Value bytes of one page: the accountant's figure and the padding to the end of the page.
+  static ByteBreakdown value_page_bytes(const PageLayout& p) {
+    ByteBreakdown b = account(p.value, p.page_shape());
+    b.padding = p.bytes - p.v.codes.offset - b.total();
+    return b;
+  }
+  static ByteBreakdown scaled(ByteBreakdown b, std::size_t n) {
+    b.codes *= n;
+    b.scales *= n;
+    b.zeros *= n;
+    b.norms *= n;
+    b.residual *= n;
+    b.outliers *= n;
+    b.codebooks *= n;
+    b.padding *= n;
+    return b;
+  }
 
   const Layer& at(int layer, const char* what) const {
     KVQ_REQUIRE(layer >= 0 && layer < n_layers_, kInvalidArgument, "KVCache::", what, ": layer ",
@@ -475,7 +547,7 @@ class KVCache {
   }
   int64_t sink_count(const Layer& L) const { return static_cast<int64_t>(L.sink_k.size()) / row_; }
   int64_t packed_count(const Layer& L) const {
-    return static_cast<int64_t>(L.kblocks.size()) * L.block;
+    return static_cast<int64_t>(L.pages.size()) * L.block;
   }
   int64_t residual_count(const Layer& L) const {
     return static_cast<int64_t>(L.res_k.size()) / row_;
@@ -486,10 +558,13 @@ class KVCache {
       for (int64_t h = 0; h < src.heads(); ++h) detail::store_row(dst, t, h, src.row(t, h));
   }
 
-  /// Construction-time checks of one layer config: token-axis groups must divide head_dim, and
-  /// the format must quantize a block of this geometry in this build (tried once per config).
-  void check_config(int layer, const char* role, const QuantConfig& c, int64_t block,
-                    std::vector<QuantConfig>& tried) const {
+  /// Grows `w` to hold `tokens` rows (reserve; no change of size).
+  void reserve_rows(std::vector<float>& w, int64_t tokens) const {
+    w.reserve(static_cast<std::size_t>(std::max<int64_t>(0, tokens) * row_));
+  }
+
+  /// Token-axis groups must divide head_dim.
+  void check_config(int layer, const char* role, const QuantConfig& c) const {
     if (!c.is_raw() && c.format != Format::kLloydMax && c.axis == Axis::kToken && c.group > 0 &&
         c.group < head_dim_ && head_dim_ % c.group != 0) {
       fail(ErrorKind::kShapeMismatch, "KVCache: layer ", layer, " ", role, " format ",
@@ -498,19 +573,48 @@ class KVCache {
            " (choose a group that divides head_dim, or >= head_dim for one group per "
            "head)");
     }
-    for (const QuantConfig& t : tried)
-      if (same_config(t, c)) return;
-    std::vector<float> probe(static_cast<std::size_t>(block * row_));
-    for (std::size_t i = 0; i < probe.size(); ++i)
-      probe[i] = static_cast<float>(static_cast<int>(i * 7 % 5) - 2) * 0.5f;
+  }
+
+  /// The page layout of a layer, with the byte limits (a page, and the f32 staging of a block,
+  /// must stay within kMaxPageBytes).
+  PageLayout make_layout(int layer, const Layer& L) const {
+    const double staging = static_cast<double>(L.block) * static_cast<double>(row_) * 4.0;
+    KVQ_REQUIRE(staging <= static_cast<double>(kMaxPageBytes), kOutOfRange, "KVCache: layer ",
+                layer, " packs blocks of ", L.block, " tokens x ", kv_heads_, " heads x ",
+                head_dim_, ", whose f32 staging would take ", staging, " bytes (limit ",
+                kMaxPageBytes, "); use smaller token groups");
     try {
-      QTensor q;
-      quantize(c, KVView<const float>::nhd(probe.data(), block, kv_heads_, head_dim_), q);
+      return make_page_layout(L.kcfg, L.vcfg, L.block, kv_heads_, head_dim_);
     } catch (const Error& e) {
-      fail(e.kind(), "KVCache: layer ", layer, " ", role, " format ", config_spec(c),
-           " cannot be stored with kv_heads=", kv_heads_, ", head_dim=", head_dim_, ": ", e.what());
+      fail(e.kind(), "KVCache: layer ", layer, " cannot lay out pages of ", L.block, " tokens x ",
+           kv_heads_, " x ", head_dim_, " under key ", config_spec(L.kcfg), " and value ",
+           config_spec(L.vcfg), ": ", e.what());
     }
-    tried.push_back(c);
+  }
+
+  /// Tries each distinct (key, value) pair on one page of this geometry (also grows the
+  /// quantizer workspace to the geometry).
+  void probe(int layer, const Layer& L, std::vector<std::pair<QuantConfig, QuantConfig>>& tried) {
+    for (const auto& t : tried)
+      if (same_config(t.first, L.kcfg) && same_config(t.second, L.vcfg)) return;
+    std::vector<float> data(static_cast<std::size_t>(L.block * row_));
+    for (std::size_t i = 0; i < data.size(); ++i)
+      data[i] = static_cast<float>(static_cast<int>(i * 7 % 5) - 2) * 0.5f;
+    const auto x = KVView<const float>::nhd(data.data(), L.block, kv_heads_, head_dim_);
+    PageArena scratch(L.layout.bytes);
+    scratch.reserve(1);
+    for (int kv = 0; kv < 2; ++kv) {
+      const QuantConfig& c = kv == 0 ? L.kcfg : L.vcfg;
+      try {
+        quantize_into(c, x, kv == 0 ? L.layout.key_span(scratch.page(0), 0, L.block)
+                                    : L.layout.value_span(scratch.page(0), 0, L.block), ws_);
+      } catch (const Error& e) {
+        fail(e.kind(), "KVCache: layer ", layer, " ", kv == 0 ? "key" : "value", " format ",
+             config_spec(c), " cannot be stored with kv_heads=", kv_heads_, ", head_dim=",
+             head_dim_, ": ", e.what());
+      }
+    }
+    tried.emplace_back(L.kcfg, L.vcfg);
   }
 
   /// Converts `x` into `dst` ([tokens, kv_heads, head_dim] f32), checking every value first.
@@ -571,40 +675,48 @@ class KVCache {
     // 1. Validate and convert the chunk (no cache state is touched until step 3).
     const int64_t S = policy_.sinks;
     const int64_t take_sinks = C.tokens < S ? std::min(m, S - C.tokens) : 0;
-    std::vector<float> in_k, in_v;  // [m, kv_heads, head_dim]
+    std::vector<float>& in_k = stage_k_;  // [m, kv_heads, head_dim]
+    std::vector<float>& in_v = stage_v_;
     stage(layer, "key", k, C.kcfg, take_sinks, in_k);
     stage(layer, "value", v, C.vcfg, take_sinks, in_v);
 
-    // 2. Quantize the blocks this append completes into scratch.
-    const int64_t B = C.block, R = policy_.residual;
-    const int64_t r = residual_count(C);
+    // 2. Quantize the blocks this append completes into free page slots (unpublished).
+    Layer& L = at(layer, "append");
+    const int64_t B = L.block, R = policy_.residual;
+    const int64_t r = residual_count(L);
     const int64_t total = r + (m - take_sinks);  // residual + incoming, in token order
     const int64_t flush = total > R ? (total - R) / B : 0;
-    std::vector<QTensor> new_k(static_cast<std::size_t>(flush));
-    std::vector<QTensor> new_v(static_cast<std::size_t>(flush));
-    std::vector<float> gather_k, gather_v;  // [B, kv_heads, head_dim] a block straddling both
-    for (int64_t j = 0; j < flush; ++j) {
-      const float* bk = block_source(C.res_k, in_k, r, take_sinks, j * B, B, gather_k);
-      const float* bv = block_source(C.res_v, in_v, r, take_sinks, j * B, B, gather_v);
-      quantize(C.kcfg, KVView<const float>::nhd(bk, B, kv_heads_, head_dim_),
-               new_k[static_cast<std::size_t>(j)]);
-      quantize(C.vcfg, KVView<const float>::nhd(bv, B, kv_heads_, head_dim_),
-               new_v[static_cast<std::size_t>(j)]);
-    }
-
-    // 3. Commit.
-    Layer& L = at(layer, "append");
-    const auto sink_end = static_cast<std::ptrdiff_t>(take_sinks * row_);
+    const std::size_t used = L.pages.size();
     const int64_t sinks_after = sink_count(L) + take_sinks;
     const int64_t residual_after = total - flush * B;
+    // Capacity first (may allocate; nothing visible changes).
+    L.pages.grow_for(used + static_cast<std::size_t>(flush));
     for (auto* w : {&L.sink_k, &L.sink_v}) reserve_window(*w, sinks_after, S);
     for (auto* w : {&L.res_k, &L.res_v}) reserve_window(*w, residual_after, R + B - 1);
+    if (flush > 0 && options_.exact_rollback)
+      for (auto* w : {&L.roll_k, &L.roll_v}) reserve_rows(*w, B);
+    const float* last_k = nullptr;  // sources of the newest flushed block
+    const float* last_v = nullptr;
+    for (int64_t j = 0; j < flush; ++j) {
+      const float* bk = block_source(L.res_k, in_k, r, take_sinks, j * B, B, gather_k_);
+      const float* bv = block_source(L.res_v, in_v, r, take_sinks, j * B, B, gather_v_);
+      quantize_page(L.layout, L.pages.page(used + static_cast<std::size_t>(j)), 0,
+                    KVView<const float>::nhd(bk, B, kv_heads_, head_dim_),
+                    KVView<const float>::nhd(bv, B, kv_heads_, head_dim_), ws_);
+      last_k = bk;
+      last_v = bv;
+    }
+
+    // 3. Commit (no allocation, nothing throws).
+    if (flush > 0 && options_.exact_rollback) {  // before the residual moves under last_k
+      L.roll_k.assign(last_k, last_k + B * row_);
+      L.roll_v.assign(last_v, last_v + B * row_);
+      L.roll = true;
+    }
+    const auto sink_end = static_cast<std::ptrdiff_t>(take_sinks * row_);
     L.sink_k.insert(L.sink_k.end(), in_k.begin(), in_k.begin() + sink_end);
     L.sink_v.insert(L.sink_v.end(), in_v.begin(), in_v.begin() + sink_end);
-    for (int64_t j = 0; j < flush; ++j) {
-      L.kblocks.push_back(std::move(new_k[static_cast<std::size_t>(j)]));
-      L.vblocks.push_back(std::move(new_v[static_cast<std::size_t>(j)]));
-    }
+    L.pages.resize(used + static_cast<std::size_t>(flush));
     const int64_t consumed = flush * B;  // tokens of (residual ++ incoming) now packed
     for (auto [res, in] : {std::pair{&L.res_k, &in_k}, std::pair{&L.res_v, &in_v}}) {
       if (consumed <= r) {
@@ -651,8 +763,17 @@ class KVCache {
                 " tokens of layer ", layer, ", which holds ", L.tokens);
   }
 
-  /// For a cut strictly inside a packed block: the kept tokens of that block, dequantized
-  /// (keys, values), else empty vectors.
+  /// True when truncate(n) unpacks the newest page from its kept originals: the page was
+  /// flushed when the layer reached b + B + R tokens, so a layer of n < b + B + R tokens
+  /// never packed it.
+  bool unflushes(const Layer& L, int64_t n) const {
+    if (!L.roll || L.pages.size() == 0) return false;
+    const int64_t b = sink_count(L) + packed_count(L) - L.block;  // newest page's first token
+    return n >= b && n < b + L.block + policy_.residual;
+  }
+
+  /// For a cut strictly inside an older page (no originals): the kept tokens of that page,
+  /// dequantized (keys, values), else empty vectors.
   std::pair<std::vector<float>, std::vector<float>> cut_block_rows(int layer, int64_t n) const {
     const Layer& L = layers_[static_cast<std::size_t>(layer)];
     std::pair<std::vector<float>, std::vector<float>> rows;
@@ -660,14 +781,12 @@ class KVCache {
     const int64_t rel = n - sink_count(L);
     const auto j = static_cast<std::size_t>(rel / L.block);
     const int64_t keep = rel % L.block;
-    std::vector<float> kb(static_cast<std::size_t>(L.block * row_));
-    std::vector<float> vb(kb.size());
-    dequantize(L.kblocks[j], KVView<float>::nhd(kb.data(), L.block, kv_heads_, head_dim_));
-    dequantize(L.vblocks[j], KVView<float>::nhd(vb.data(), L.block, kv_heads_, head_dim_));
-    kb.resize(static_cast<std::size_t>(keep * row_));
-    vb.resize(static_cast<std::size_t>(keep * row_));
-    rows.first = std::move(kb);
-    rows.second = std::move(vb);
+    rows.first.resize(static_cast<std::size_t>(keep * row_));
+    rows.second.resize(rows.first.size());
+    QuantWorkspace ws;
+    dequantize_page(L.layout, L.pages.page(j), L.block, 0, keep,
+                    KVView<float>::nhd(rows.first.data(), keep, kv_heads_, head_dim_),
+                    KVView<float>::nhd(rows.second.data(), keep, kv_heads_, head_dim_), ws);
     return rows;
   }
 
@@ -675,23 +794,38 @@ class KVCache {
                        std::pair<std::vector<float>, std::vector<float>> cut) {
     Layer& L = layers_[static_cast<std::size_t>(layer)];
     const int64_t s = sink_count(L);
+    if (unflushes(L, n)) {
+      // Back to the state before the newest flush: its originals, then the residual, up to n.
+      const int64_t b = s + packed_count(L) - L.block;
+      const int64_t from_roll = std::min(n - b, L.block);
+      const auto keep_res = static_cast<std::ptrdiff_t>((n - b - from_roll) * row_);
+      for (auto* res : {&L.res_k, &L.res_v})  // may throw bad_alloc: before any change
+        res->reserve(static_cast<std::size_t>((n - b) * row_));
+      for (auto [res, roll] : {std::pair{&L.res_k, &L.roll_k}, std::pair{&L.res_v, &L.roll_v}}) {
+        res->resize(static_cast<std::size_t>(keep_res));  // residual rows that stay, in front
+        res->insert(res->begin(), roll->begin(), roll->begin() + from_roll * row_);
+      }
+      L.pages.resize(L.pages.size() - 1);
+      L.roll = false;  // the page before it has no originals
+      L.tokens = n;
+      return;
+    }
     if (n <= s) {
       L.sink_k.resize(static_cast<std::size_t>(n * row_));
       L.sink_v.resize(static_cast<std::size_t>(n * row_));
-      L.kblocks.clear();
-      L.vblocks.clear();
+      L.pages.resize(0);
       L.res_k.clear();
       L.res_v.clear();
+      L.roll = false;
     } else if (n >= s + packed_count(L)) {
       const auto keep = static_cast<std::size_t>((n - s - packed_count(L)) * row_);
       L.res_k.resize(keep);
       L.res_v.resize(keep);
-    } else {
-      const auto blocks = static_cast<std::size_t>((n - s) / L.block);
-      L.kblocks.resize(blocks);
-      L.vblocks.resize(blocks);
+    } else {  // a cut inside an older page: its kept tokens come back dequantized
       L.res_k.assign(cut.first.begin(), cut.first.end());
       L.res_v.assign(cut.second.begin(), cut.second.end());
+      L.pages.resize(static_cast<std::size_t>((n - s) / L.block));
+      L.roll = false;
     }
     L.tokens = n;
   }
@@ -701,8 +835,13 @@ class KVCache {
   int kv_heads_ = 0;
   int head_dim_ = 0;
   int max_tokens_ = 0;
+  KVCacheOptions options_;
   int64_t row_ = 0;  // kv_heads * head_dim: floats per token
   std::vector<Layer> layers_;
+  // Per-call scratch, kept so that a decode loop allocates nothing.
+  std::vector<float> stage_k_, stage_v_;    // [chunk tokens, kv_heads, head_dim] staged input
+  std::vector<float> gather_k_, gather_v_;  // [B, kv_heads, head_dim] a block straddling both
+  QuantWorkspace ws_;
 };
 
 }  // namespace kvq

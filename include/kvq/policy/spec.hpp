@@ -31,7 +31,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
+#include <algorithm>
 #include <map>
+#include <numeric>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -231,6 +233,57 @@ inline std::string config_spec(const QuantConfig& c) {
   return s;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Stream blocks: how many tokens a streaming cache (cache/kv_cache.hpp) packs at once under a
+// (key, value) pair. Defined here so that a spec whose block could not be streamed fails when
+// it is parsed, not when the cache first flushes.
+
+/// Token extent of a "whole extent" (group 0) scale group on the channel, head or tensor axis
+/// inside a streaming cache (a stream cannot wait for "all tokens").
+inline constexpr int64_t kStreamGroupTokens = 32;
+/// Smallest packed block, in tokens (docs/cache.md).
+inline constexpr int64_t kMinBlockTokens = 16;
+/// Largest packed block, in tokens: the lcm of the key and value token groups must not exceed
+/// it. Without a cap `k=int4/channel/g16777216` would make one block (and its f32 staging) of
+/// 2^24 tokens, 64 GiB at 8 x 128; KIVI-style groups are 32..128 tokens.
+inline constexpr int64_t kMaxBlockTokens = 4096;
+
+namespace detail {
+
+/// Tokens one scale group spans in a stream (Gt in docs/cache.md).
+inline int64_t group_token_extent(const QuantConfig& c) {
+  if (c.is_raw() || c.format == Format::kLloydMax || c.axis == Axis::kToken) return 1;
+  return c.group > 0 ? c.group : kStreamGroupTokens;
+}
+
+/// The config a layer's blocks are quantized with: group 0 on a token-spanning axis becomes
+/// kStreamGroupTokens, so that every block holds whole groups of a fixed, documented size.
+inline QuantConfig streaming_config(QuantConfig c) {
+  const bool spans = !c.is_raw() && c.format != Format::kLloydMax && c.axis != Axis::kToken;
+  if (spans && c.group == 0) c.group = kStreamGroupTokens;
+  return c;
+}
+
+/// B: lcm of both token extents, rounded up to a multiple >= kMinBlockTokens. Throws
+/// `kind` when B would exceed kMaxBlockTokens.
+inline int64_t stream_block_tokens(const QuantConfig& k, const QuantConfig& v,
+                                   ErrorKind kind = ErrorKind::kInvalidArgument) {
+  const int64_t gk = group_token_extent(k), gv = group_token_extent(v);
+  if (gk > kMaxBlockTokens || gv > kMaxBlockTokens)
+    fail(kind, "a streamed block would span ", std::max(gk, gv), " tokens (key ", config_spec(k),
+              ", value ", config_spec(v), "), more than kvq's limit of ", kMaxBlockTokens,
+              " tokens per block; use a token group of at most ", kMaxBlockTokens);
+  const int64_t l = std::lcm(gk, gv);
+  if (l > kMaxBlockTokens)
+    fail(kind, "key ", config_spec(k), " and value ", config_spec(v),
+              " need blocks of lcm(", gk, ", ", gv, ") = ", l, " tokens, more than kvq's limit of ",
+              kMaxBlockTokens, " tokens per block; choose token groups whose lcm is at most ",
+              kMaxBlockTokens);
+  return l * ((kMinBlockTokens + l - 1) / l);
+}
+
+}  // namespace detail
+
 /// A whole model's KV-cache storage policy (runtime form; see the file comment for the spec).
 struct Policy {
   QuantConfig key = raw_config(Format::kF32);    ///< keys of non-skipped layers
@@ -283,6 +336,15 @@ struct Policy {
       validate_config(kv.first, at + "key", true);
       validate_config(kv.second, at + "value", false);
     }
+    check_blocks(ErrorKind::kInvalidArgument);
+  }
+
+  /// Throws `kind` when a (key, value) pair a layer can use needs stream blocks of more than
+  /// kMaxBlockTokens tokens.
+  void check_blocks(ErrorKind kind) const {
+    detail::stream_block_tokens(key, value, kind);
+    detail::stream_block_tokens(skip_config, skip_config, kind);
+    for (const auto& kv : overrides) detail::stream_block_tokens(kv.second.first, kv.second.second, kind);
   }
 
   /// Canonical spec: every field explicit, in the order
@@ -626,6 +688,7 @@ inline Policy parse_policy_impl(std::string_view spec_in, bool allow_presets) {
     p.overrides[layer] = {kv.first.first ? kv.first.second : p.key,
                           kv.second.first ? kv.second.second : p.value};
   }
+  p.check_blocks(ErrorKind::kParse);  // a block too long to stream is a spec error
   return p;
 }
 

@@ -89,8 +89,8 @@ void attend_ref_segments(ForEach&& for_each, int64_t total_tokens, int64_t kv_he
     if (s.packed()) {
       ws.kblock.resize(static_cast<std::size_t>(len * H * D));
       ws.vblock.resize(ws.kblock.size());
-      dequantize(*s.key, KVView<float>::nhd(ws.kblock.data(), len, H, D));
-      dequantize(*s.value, KVView<float>::nhd(ws.vblock.data(), len, H, D));
+      dequantize(s.key_view, KVView<float>::nhd(ws.kblock.data(), len, H, D));
+      dequantize(s.value_view, KVView<float>::nhd(ws.vblock.data(), len, H, D));
       kp = ws.kblock.data();
       vp = ws.vblock.data();
     } else {
