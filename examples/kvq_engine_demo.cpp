@@ -6,8 +6,10 @@
 // For every policy: builds a KVCache, appends a synthetic prefill chunk to every layer and runs
 // causal attention for its queries, then decodes N tokens one at a time (append one token per
 // layer, attend one query). An f32 cache is driven in lockstep, so the demo can report how far
-// the quantized cache's attention output drifts from the unquantized one. Prints the memory
-// report: bytes by layer and kind, effective bits per value, compression against f16.
+// the quantized cache's attention output drifts from the unquantized one, and an f16 cache too,
+// so the demo can print the decode attention speed (fused kernels straight from the packed
+// codes, kernels/cpu/attention_cpu.hpp) next to the f16 cache's. Prints the memory report:
+// bytes by layer and kind, effective bits per value, compression against f16.
 //
 // The data is synthetic: Gaussian keys with a few large fixed channels (the outlier pattern of
 // real keys that makes per-channel key grouping matter), Gaussian values and queries.
@@ -129,8 +131,9 @@ void run(const Options& o, const kvq::Policy& policy) {
       "policy %s\n  layers %d, kv_heads %d, q_heads %d, head_dim %d, prefill %d, decode %d\n",
       policy.spec().c_str(), L, H, QH, D, o.prefill, o.decode);
   kvq::KVCache ref(kvq::parse_policy("f32"), L, H, D, max_tokens);
+  kvq::KVCache half(kvq::parse_policy("f16"), L, H, D, max_tokens);
   std::mt19937 rng(o.seed);
-  kvq::AttentionWorkspace ws, ws_ref;
+  kvq::AttentionWorkspace ws, ws_ref, ws_half;
   double err_sum = 0, err_max = 0;
   int64_t err_n = 0;
   auto compare = [&](const std::vector<float>& a, const std::vector<float>& b) {
@@ -158,6 +161,7 @@ void run(const Options& o, const kvq::Policy& policy) {
       attn_s += std::chrono::duration<double>(Clock::now() - t1).count();
       quant_s += std::chrono::duration<double>(t1 - t0).count();
       ref.append(l, KV::nhd(k.data(), o.prefill, H, D), KV::nhd(v.data(), o.prefill, H, D));
+      half.append(l, KV::nhd(k.data(), o.prefill, H, D), KV::nhd(v.data(), o.prefill, H, D));
       kvq::attend(ref, l, KV::nhd(q.data(), o.prefill, QH, D),
                   Out::nhd(out_ref.data(), o.prefill, QH, D), true, ws_ref);
       compare(out, out_ref);
@@ -167,8 +171,9 @@ void run(const Options& o, const kvq::Policy& policy) {
   }
 
   // Decode: one token per layer per step, single-query attention.
-  double decode_s = 0;
-  std::vector<float> out(static_cast<std::size_t>(QH * D)), out_ref(out.size());
+  double decode_s = 0, attend_s = 0, half_s = 0;
+  std::vector<float> out(static_cast<std::size_t>(QH * D)), out_ref(out.size()),
+      out_half(out.size());
   for (int step = 0; step < o.decode; ++step) {
     for (int l = 0; l < L; ++l) {
       const auto k = synth(rng, 1, H, D, true);
@@ -176,16 +181,28 @@ void run(const Options& o, const kvq::Policy& policy) {
       const auto q = synth(rng, 1, QH, D, false);
       const auto t0 = Clock::now();
       cache.append(l, KV::nhd(k.data(), 1, H, D), KV::nhd(v.data(), 1, H, D));
+      const auto t1 = Clock::now();
       kvq::attend_one(cache, l, q.data(), QH, out.data(), ws);
-      decode_s += std::chrono::duration<double>(Clock::now() - t0).count();
+      const auto t2 = Clock::now();
+      decode_s += std::chrono::duration<double>(t2 - t0).count();
+      attend_s += std::chrono::duration<double>(t2 - t1).count();
+      half.append(l, KV::nhd(k.data(), 1, H, D), KV::nhd(v.data(), 1, H, D));
+      const auto t3 = Clock::now();
+      kvq::attend_one(half, l, q.data(), QH, out_half.data(), ws_half);
+      half_s += std::chrono::duration<double>(Clock::now() - t3).count();
       ref.append(l, KV::nhd(k.data(), 1, H, D), KV::nhd(v.data(), 1, H, D));
       kvq::attend_one(ref, l, q.data(), QH, out_ref.data(), ws_ref);
       compare(out, out_ref);
     }
   }
-  if (o.decode > 0)
+  if (o.decode > 0) {
     std::printf("  decode: %d steps in %.2f ms (%.1f tokens/s through %d layers)\n", o.decode,
                 decode_s * 1e3, o.decode / std::max(decode_s, 1e-9), L);
+    std::printf("  decode attention (fused, %s): %.1f tokens/s; the f16 cache: %.1f tokens/s "
+                "(%.2fx)\n",
+                kvq::simd_level(), o.decode / std::max(attend_s, 1e-9),
+                o.decode / std::max(half_s, 1e-9), half_s / std::max(attend_s, 1e-9));
+  }
   std::printf("  attention output vs the f32 cache: relative RMS error mean %.5f, max %.5f\n",
               err_n ? err_sum / static_cast<double>(err_n) : 0.0, err_max);
 
