@@ -56,6 +56,7 @@ struct PageRegion {
 /// The six regions of one packed tensor (keys or values) inside a page.
 struct TensorRegions {
   PageRegion codes, scales, zeros, norms, qjl_signs, qjl_norms;
+  PageRegion outlier_values, outlier_pos;  ///< dense-and-sparse (quant/outlier_quant.hpp)
 };
 
 /// Where everything lives in one page. Trivially copyable: engines may copy it to the device.
@@ -68,7 +69,7 @@ struct PageLayout {
   int64_t granule = 1;      ///< token ranges are written/read in multiples of this
   TensorRegions k, v;       ///< region offsets and sizes
   std::size_t bytes = 0;    ///< bytes of one page (multiple of kPageAlign)
-  std::size_t data = 0;     ///< bytes of the twelve regions (accountant's figure)
+  std::size_t data = 0;     ///< bytes of the sixteen regions (accountant's figure)
 
   std::size_t padding() const { return bytes - data; }
   Shape page_shape() const { return Shape{page_tokens, kv_heads, head_dim}; }
@@ -82,6 +83,7 @@ struct PageLayout {
       b.zeros += r->zeros.bytes;
       b.norms += r->norms.bytes;
       b.residual += r->qjl_signs.bytes + r->qjl_norms.bytes;
+      b.outliers += r->outlier_values.bytes + r->outlier_pos.bytes;
     }
     b.padding = padding();
     return b;
@@ -136,6 +138,7 @@ struct PageLayout {
       case Format::kE4M3:
       case Format::kE5M2: code_off = el; break;
       case Format::kInt:
+      case Format::kNuq:
       case Format::kLloydMax: code_off = el * static_cast<std::size_t>(c.bits) / 8; break;
     }
     if (!c.is_raw() && c.format != Format::kLloydMax && t0 > 0) {
@@ -148,6 +151,9 @@ struct PageLayout {
     s.norms = ptr(r.norms, vec * msz);
     s.qjl_signs = ptr(r.qjl_signs, el / 8);
     s.qjl_norms = ptr(r.qjl_norms, vec * msz);
+    const auto ok = static_cast<std::size_t>(outlier_count(c, D));  // outliers per vector
+    s.outlier_values = ptr(r.outlier_values, vec * ok * 2);
+    s.outlier_pos = ptr(r.outlier_pos, vec * ok * static_cast<std::size_t>(outlier_pos_bytes(D)));
     return s;
   }
   PackedSpan tensor_span(const QuantConfig& c, const TensorRegions& r, std::byte* page, int64_t t0,
@@ -189,6 +195,7 @@ inline int64_t token_bits(const QuantConfig& c, int64_t H, int64_t D) {
     case Format::kE4M3:
     case Format::kE5M2: b = 8; break;
     case Format::kInt:
+    case Format::kNuq:
     case Format::kLloydMax: b = c.bits; break;
   }
   return b * H * D;
@@ -206,6 +213,8 @@ inline void place(TensorRegions& r, const PackedSizes& p, std::size_t& off) {
   put(r.norms, p.norms);
   put(r.qjl_signs, p.qjl_signs);
   put(r.qjl_norms, p.qjl_norms);
+  put(r.outlier_values, p.outlier_values);
+  put(r.outlier_pos, p.outlier_pos);
 }
 
 }  // namespace detail
@@ -233,7 +242,7 @@ inline PageLayout make_page_layout(const QuantConfig& key, const QuantConfig& va
   const Shape s = L.page_shape();
   const PackedSizes ks = packed_sizes(key, s), vs = packed_sizes(value, s);
   KVQ_REQUIRE(ks.total() <= kMaxPageBytes && vs.total() <= kMaxPageBytes &&
-                  ks.total() + vs.total() + 12 * kPageAlign <= kMaxPageBytes,
+                  ks.total() + vs.total() + 16 * kPageAlign <= kMaxPageBytes,
               kOutOfRange, "make_page_layout: a page of ", s.str(), " under ", key.name(), " / ",
               value.name(), " would take ", ks.total() + vs.total(), " bytes, beyond the ",
               kMaxPageBytes, "-byte limit");

@@ -1,0 +1,119 @@
+// nuq and dense-and-sparse configs through the paged layout, the streaming cache and attention:
+// page bytes equal quantize(), the fused attention (which decodes these pages to rows) equals
+// the double-precision oracle, and a nuq policy without calibration is refused clearly.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "kvq/attention/attention.hpp"
+#include "kvq/cache/kv_cache.hpp"
+#include "kvq/layout/page_layout.hpp"
+#include "kvq/quant/calibrate.hpp"
+#include "kvq/quant/quantize.hpp"
+#include "kvq/reference/attention_ref.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+using kvq::KVView;
+
+/// A calibrated version of `spec` for a 1-layer, H x D cache (learned on other data).
+kvq::Policy calibrated(const std::string& spec, int64_t H, int64_t D) {
+  kvq::CalibrationSet s;
+  s.n_layers = 1;
+  s.kv_heads = static_cast<int>(H);
+  s.head_dim = static_cast<int>(D);
+  kvq::CalibrationSet::Sequence seq;
+  seq.tokens = 256;
+  kvq::CalibrationSet::Layer L;
+  L.k = kvq_test::kv_data({256, H, D}, 1234, true);
+  L.v = kvq_test::kv_data({256, H, D}, 4321, false);
+  seq.layers.push_back(L);
+  s.sequences.push_back(seq);
+  return kvq::calibrate(kvq::parse_policy(spec), s);
+}
+
+TEST(OutlierPages, PageBytesEqualQuantize) {
+  const int64_t P = 32, H = 2, D = 64;
+  const kvq::Policy pol = calibrated("k=nuq3/channel/g16/out1%,v=int3/token/g32/out2", H, D);
+  const kvq::QuantConfig kc = pol.key_for(0, 1), vc = pol.value_for(0, 1);
+  const kvq::PageLayout L = kvq::make_page_layout(kc, vc, P, H, D);
+  EXPECT_EQ(L.breakdown().total(), L.bytes);
+  EXPECT_EQ(L.data, kvq::account(kc, {P, H, D}).total() + kvq::account(vc, {P, H, D}).total());
+  std::vector<std::byte> page(L.bytes);
+  const auto k = kvq_test::kv_data({P, H, D}, 3, true), v = kvq_test::kv_data({P, H, D}, 4, false);
+  kvq::QuantWorkspace ws;
+  for (int64_t t0 : {int64_t{0}, int64_t{16}})
+    kvq::quantize_page(L, page.data(), t0, KVView<const float>::nhd(k.data() + t0 * H * D, 16, H, D),
+                       KVView<const float>::nhd(v.data() + t0 * H * D, 16, H, D), ws);
+  std::vector<float> kp(k.size()), vp(v.size()), kq(k.size()), vq(v.size());
+  kvq::dequantize_page(L, page.data(), P, 0, P, KVView<float>::nhd(kp.data(), P, H, D),
+                       KVView<float>::nhd(vp.data(), P, H, D), ws);
+  for (int64_t t0 : {int64_t{0}, int64_t{16}}) {
+    const kvq::Shape s{16, H, D};
+    kvq::dequantize(kvq::quantize(kc, KVView<const float>(k.data() + t0 * H * D, s)),
+                    KVView<float>(kq.data() + t0 * H * D, s));
+    kvq::dequantize(kvq::quantize(vc, KVView<const float>(v.data() + t0 * H * D, s)),
+                    KVView<float>(vq.data() + t0 * H * D, s));
+  }
+  EXPECT_EQ(kp, kq);
+  EXPECT_EQ(vp, vq);
+}
+
+TEST(OutlierAttention, FusedEqualsOracle) {
+  const int64_t H = 2, D = 64, T = 150, nh = 4;
+  for (const char* spec :
+       {"k=nuq3/channel/g32,v=nuq3/token/g32,residual=16", "k=int3/channel/g32/out1%,v=int3/token/g32/out1",
+        "k=nuq2/channel/g32/out2,v=nuq4/token/g64/out1%,sinks=4", "k=e4m3/head/out1,v=nuq3"}) {
+    const kvq::Policy pol = calibrated(spec, H, D);
+    kvq::KVCache c(pol, 1, static_cast<int>(H), static_cast<int>(D));
+    const auto kd = kvq_test::kv_data({T, H, D}, 8, true);
+    const auto vd = kvq_test::kv_data({T, H, D}, 9, false);
+    c.append(0, KVView<const float>::nhd(kd.data(), 40, H, D),
+             KVView<const float>::nhd(vd.data(), 40, H, D));
+    for (int64_t t = 40; t < T; ++t)
+      c.append(0, KVView<const float>::nhd(kd.data() + t * H * D, 1, H, D),
+               KVView<const float>::nhd(vd.data() + t * H * D, 1, H, D));
+    for (int64_t nq : {int64_t{1}, int64_t{7}}) {
+      const auto q = kvq_test::kv_data({nq, nh, D}, 70, false);
+      std::vector<float> out(q.size()), ref(q.size());
+      kvq::AttentionWorkspace ws;
+      kvq::attend(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
+                  KVView<float>::nhd(out.data(), nq, nh, D), true, ws);
+      kvq::reference::attend_ref(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
+                                 KVView<float>::nhd(ref.data(), nq, nh, D), true);
+      // Error relative to the largest magnitude of each output row (the fused tests' metric).
+      double worst = 0;
+      for (std::size_t r = 0; r < out.size(); r += static_cast<std::size_t>(D)) {
+        double mx = 0, err = 0;
+        for (std::size_t d = r; d < r + static_cast<std::size_t>(D); ++d) {
+          mx = std::max(mx, std::fabs(double(ref[d])));
+          err = std::max(err, std::fabs(double(out[d]) - ref[d]));
+        }
+        worst = std::max(worst, err / mx);
+      }
+      EXPECT_LT(worst, 2e-5) << spec << " nq " << nq;
+    }
+  }
+}
+
+TEST(OutlierAttention, UncalibratedNuqCacheIsRefused) {
+  const int64_t H = 1, D = 32;
+  auto make_and_fill = [&] {
+    kvq::KVCache c(kvq::parse_policy("k=nuq3/channel/g16,v=f16"), 1, static_cast<int>(H),
+                   static_cast<int>(D));
+    const auto kd = kvq_test::kv_data({64, H, D}, 1, false);
+    c.append(0, KVView<const float>::nhd(kd.data(), 64, H, D),
+             KVView<const float>::nhd(kd.data(), 64, H, D));
+  };
+  try {
+    make_and_fill();
+    FAIL() << "an uncalibrated nuq cache stored data";
+  } catch (const kvq::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("calibrat"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
