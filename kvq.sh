@@ -3,6 +3,8 @@
 #   ./kvq.sh compare [args]  install what is missing, build, run the geometry-vs-bits comparison
 #   ./kvq.sh test            install what is missing, build, run the whole test suite (ctest),
 #                            then again under AddressSanitizer + UndefinedBehaviorSanitizer
+#                            (portable scalar paths), then the kernel tests under ASan + UBSan
+#                            with the SIMD paths on (-march=native)
 #   ./kvq.sh bench [args]    build and run kvq_bench (Google Benchmark; args passed through),
 #                            5 repetitions, JSON in $build/bench.json, then the median / ratio
 #                            to BM_Memcpy table (kvq_bench_report)
@@ -17,7 +19,7 @@
 #                            check its SHA-256 and print its path; skips the download when the
 #                            verified file is already there
 # Environment: KVQ_BUILD_DIR (default build), KVQ_JOBS (default nproc),
-#              KVQ_SKIP_SANITIZE=1 skips the sanitizer pass of `test`.
+#              KVQ_SKIP_SANITIZE=1 skips the sanitizer passes of `test`.
 #              KVQ_MODEL_DIR (default ~/.cache/kvq/models): where `model` keeps models.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -81,6 +83,22 @@ case "$cmd" in
       (cd "${build}-asan" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
         UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
         ctest --output-on-failure -j "$jobs" -LE "exhaustive|buildsystem")
+      # Second pass: the SIMD kernels (AVX-512 / AVX2 / F16C, -march=native) under ASan + UBSan,
+      # only the tests labelled "kernels" (core, format, geometry, quant, layout, cache, attention)
+      # and only their targets, at -O1 -g1 (line tables only: half the compile time of -g), so
+      # CI stays short.
+      echo "kvq: sanitizer pass (ASan + UBSan, SIMD paths: -march=native, tests labelled kernels)" >&2
+      simd="${build}-asan-simd"
+      cmake -S "$here" -B "$simd" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
+        -DKVQ_SANITIZE=ON -DKVQ_NATIVE=ON -DKVQ_BUILD_BENCH=OFF -DKVQ_CUDA=OFF >/dev/null
+      kernel_tests=$(cd "$simd" && ctest -N -L kernels -LE "scalar|exhaustive" |
+        sed -n 's/^ *Test *#[0-9]*: *//p')
+      [ -n "$kernel_tests" ] || { echo "kvq: no tests labelled kernels" >&2; exit 1; }
+      # shellcheck disable=SC2086
+      cmake --build "$simd" -j "$jobs" --target $kernel_tests
+      (cd "$simd" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+        UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+        ctest --output-on-failure -j "$jobs" -L kernels -LE "scalar|exhaustive")
     fi
     if [ "${KVQ_SKIP_SANITIZE:-0}" != "1" ]; then
       # ThreadSanitizer: only the concurrency tests (the thread-safety contract in

@@ -24,6 +24,7 @@
 #include "kvq/cache/cache_backend.hpp"
 #include "kvq/attention/attention.hpp"
 #include "kvq/io/kv_dump.hpp"
+#include "kvq/quant/calibrate.hpp"  // nuq codebooks (needs policy/ and io/)
 #include "kvq/io/npy.hpp"
 #include "kvq/io/safetensors.hpp"
 #include "kvq/eval/metrics.hpp"
