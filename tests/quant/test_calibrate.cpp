@@ -210,3 +210,20 @@ TEST(Calibrate, FromKvDumpNeedsPreRopeKeysWhenAsked) {
 }
 
 }  // namespace
+
+#include "kvq/policy/policy.hpp"
+
+namespace {
+
+TEST(PolicyTags, NuqAndOutliersMatchTheirSpecs) {
+  using P = kvq::KVPolicy<kvq::OutliersPercent<kvq::Nuq<3, kvq::PerChannel, 32>, 1>,
+                          kvq::Outliers<kvq::Int<3, kvq::PerToken, 32>, 2>, kvq::Residual<32>>;
+  EXPECT_EQ(P::policy(),
+            kvq::parse_policy("k=nuq3/channel/g32/out1%,v=int3/token/g32/out2,residual=32"));
+  using Q = kvq::KVPolicy<kvq::Outliers<kvq::Fp8E4M3<>, 1>, kvq::Nuq<2>>;
+  EXPECT_EQ(Q::policy(), kvq::parse_policy("k=e4m3/head/out1,v=nuq2/token/g32"));
+  using H = kvq::KVPolicy<kvq::Int<4>, kvq::OutliersPercent<kvq::SInt<4>, 1, 2>>;
+  EXPECT_FLOAT_EQ(H::policy().value.outlier_pct, 0.5f);
+}
+
+}  // namespace

@@ -103,7 +103,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{kvq::Format::kNuq, 3, kvq::Axis::kChannel, 32, 0, 1.f, 64},
                       Case{kvq::Format::kNuq, 2, kvq::Axis::kToken, 64, 6, 0.f, 64},
                       Case{kvq::Format::kNuq, 4, kvq::Axis::kTensor, 16, 1, 0.f, 96},
-                      Case{kvq::Format::kInt, 3, kvq::Axis::kToken, 0, 2, 0.f, 320}));
+                      Case{kvq::Format::kInt, 3, kvq::Axis::kToken, 0, 2, 0.f, 320},
+                      Case{kvq::Format::kInt, 3, kvq::Axis::kToken, 6, 2, 0.f, 36},
+                      Case{kvq::Format::kInt, 4, kvq::Axis::kChannel, 8, 5, 0.f, 36},
+                      Case{kvq::Format::kInt, 3, kvq::Axis::kToken, 16, 12, 0.f, 64}));
 
 TEST(OutlierQuant, OutliersImproveHeavyTailedData) {
   const kvq::Shape s{64, 2, 64};

@@ -33,6 +33,7 @@ namespace kvq {
 /// Scratch of isolate_outliers (only grows).
 struct OutlierScratch {
   std::vector<double> mean, sd;   // [boxes]
+  std::vector<double> part;       // [boxes, 4] partial sums
   std::vector<float> lo, hi;      // [boxes]
   std::vector<float> score;       // [head_dim]
   std::vector<int32_t> idx;       // [head_dim]
@@ -65,54 +66,53 @@ inline void isolate_outliers(const Shape& s, Axis axis, int64_t group, int64_t k
   float* score = detail::grow(sc.score, static_cast<std::size_t>(D));
   int32_t* idx = detail::grow(sc.idx, static_cast<std::size_t>(D));
   uint8_t* mark = detail::grow(sc.mark, static_cast<std::size_t>(D));
-  std::fill(mean, mean + nb, 0.0);
-  std::fill(sd, sd + nb, 0.0);
+  // Box sums in a fixed order (the oracle's too): four partial sums per box, partial j taking
+  // the channels d = j (mod 4) in [token, head, channel] order, combined as (p0 + p1) + (p2 + p3).
+  // Four independent chains instead of one keep the double adds from serializing.
+  double* p4 = detail::grow(sc.part, 4 * nb);
+  std::fill(p4, p4 + 4 * nb, 0.0);
   const double inv_n = 1.0 / static_cast<double>(box.size());
   // Box index of channel d in row (t, h): base + d / gc (gc == D except on the token axis).
   auto base_of = [&](int64_t t, int64_t h) { return ((t / box.gt) * box.nh + h / box.gh) * box.nc; };
-  // Channel blocks of one row: [c0, c0 + gc) all fall in box b0 + c0 / gc (gc == 1: one box
-  // per channel). Sums run in [token, head, channel] order, as in the oracle.
   const int64_t gc = box.gc;
   const bool per_channel = gc == 1;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      const float* r = x + (t * H + h) * D;
-      double* m = mean + base_of(t, h);
-      if (per_channel) {
-        for (int64_t d = 0; d < D; ++d) m[d] += r[d];
-      } else {
-        for (int64_t c0 = 0, b = 0; c0 < D; c0 += gc, ++b) {
-          double acc = m[b];
-          for (int64_t d = c0; d < c0 + gc; ++d) acc += r[d];
-          m[b] = acc;
+  const bool quads = gc % 4 == 0;
+  // Adds f(r[d], box) over row (t, h) into the partials.
+  auto accumulate = [&](const float* r, int64_t b0, auto&& f) {
+    if (per_channel) {  // one channel per box: only partial d % 4 of box b0 + d is used
+      for (int64_t d = 0; d < D; ++d) p4[4 * (b0 + d) + (d & 3)] += f(r[d], b0 + d);
+    } else if (quads) {
+      for (int64_t c0 = 0, b = b0; c0 < D; c0 += gc, ++b) {
+        double a0 = p4[4 * b], a1 = p4[4 * b + 1], a2 = p4[4 * b + 2], a3 = p4[4 * b + 3];
+        for (int64_t d = c0; d < c0 + gc; d += 4) {
+          a0 += f(r[d], b);
+          a1 += f(r[d + 1], b);
+          a2 += f(r[d + 2], b);
+          a3 += f(r[d + 3], b);
         }
+        p4[4 * b] = a0, p4[4 * b + 1] = a1, p4[4 * b + 2] = a2, p4[4 * b + 3] = a3;
       }
+    } else {
+      for (int64_t c0 = 0, b = b0; c0 < D; c0 += gc, ++b)
+        for (int64_t d = c0; d < c0 + gc; ++d) p4[4 * b + (d & 3)] += f(r[d], b);
     }
-  for (std::size_t b = 0; b < nb; ++b) mean[b] *= inv_n;
+  };
+  auto combine = [&](std::size_t b) { return (p4[4 * b] + p4[4 * b + 1]) + (p4[4 * b + 2] + p4[4 * b + 3]); };
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      const float* r = x + (t * H + h) * D;
-      const int64_t b0 = base_of(t, h);
-      if (per_channel) {
-        for (int64_t d = 0; d < D; ++d) {
-          const double dv = static_cast<double>(r[d]) - mean[b0 + d];
-          sd[b0 + d] += dv * dv;
-        }
-      } else {
-        for (int64_t c0 = 0, b = b0; c0 < D; c0 += gc, ++b) {
-          double acc = sd[b];
-          const double mb = mean[b];
-          for (int64_t d = c0; d < c0 + gc; ++d) {
-            const double dv = static_cast<double>(r[d]) - mb;
-            acc += dv * dv;
-          }
-          sd[b] = acc;
-        }
-      }
-    }
-  // sd[] becomes 1 / sd (0 for a constant box): score = |x - mean| * (1 / sd).
+    for (int64_t h = 0; h < H; ++h)
+      accumulate(x + (t * H + h) * D, base_of(t, h),
+                 [](float v, int64_t) { return static_cast<double>(v); });
+  for (std::size_t b = 0; b < nb; ++b) mean[b] = combine(b) * inv_n;
+  std::fill(p4, p4 + 4 * nb, 0.0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      accumulate(x + (t * H + h) * D, base_of(t, h), [&](float v, int64_t b) {
+        const double dv = static_cast<double>(v) - mean[b];
+        return dv * dv;
+      });
+  // sd[] holds 1 / sd (0 for a constant box): score = |x - mean| * (1 / sd).
   for (std::size_t b = 0; b < nb; ++b) {
-    const double v = std::sqrt(sd[b] * inv_n);
+    const double v = std::sqrt(combine(b) * inv_n);
     sd[b] = v > 0.0 ? 1.0 / v : 0.0;
   }
 
@@ -133,14 +133,17 @@ inline void isolate_outliers(const Shape& s, Axis axis, int64_t group, int64_t k
       auto before = [&](int32_t a, int32_t b) {  // (score desc, channel asc)
         return score[a] > score[b] || (score[a] == score[b] && a < b);
       };
-      if (k <= 4) {
-        std::fill(mark, mark + D, uint8_t{0});
-        for (int64_t j = 0; j < k; ++j) {
-          int32_t best = -1;
-          for (int32_t d = 0; d < static_cast<int32_t>(D); ++d)
-            if (!mark[d] && (best < 0 || score[d] > score[best])) best = d;
-          mark[best] = 1;
-          out[j] = best;
+      if (k <= 8) {  // one pass keeping the k best in (score desc, channel asc) order
+        int64_t n = 0;
+        for (int32_t d = 0; d < static_cast<int32_t>(D); ++d) {
+          const float sd_ = score[d];
+          if (n == k && !(sd_ > score[out[k - 1]])) continue;  // ties: the earlier channel stays
+          int64_t j = n < k ? n++ : k - 1;
+          while (j > 0 && sd_ > score[out[j - 1]]) {
+            out[j] = out[j - 1];
+            --j;
+          }
+          out[j] = d;
         }
       } else {
         std::iota(idx, idx + D, 0);

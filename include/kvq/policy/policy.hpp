@@ -17,6 +17,9 @@
 ///   Fp8E5M2<Axis = PerHead, Group = 0>
 ///   LloydMax<Bits, Qjl = false>               rotate + Lloyd-Max, Bits 1..4 (QJL: keys only)
 ///   Raw<T>                                    unquantized, T = float, kvq::f16 or kvq::bf16
+///   Nuq<Bits, Axis = PerToken, Group = 32>    KVQuant non-uniform, Bits 2..4 (needs calibration)
+///   Outliers<Q, N>                            Q (Int, SInt, Fp8*, Nuq) + N exact outliers/vector
+///   OutliersPercent<Q, Num, Den = 1>          Q + ceil(Num/Den % x head_dim) outliers/vector
 /// Options (layer filters and windows), each at most once except LayerOverride:
 ///   Residual<R>, Sinks<S>, SkipLayers<First, Last = First>, SkipAs<Quantizer>,
 ///   LayerOverride<Layer, KeyQuantizer, ValueQuantizer>
@@ -199,6 +202,66 @@ struct Raw {
     return raw_config(std::is_same_v<T, float>
                           ? Format::kF32
                           : (std::is_same_v<T, f16> ? Format::kF16 : Format::kBF16));
+  }
+};
+
+/// KVQuant's non-uniform datatype: min/max normalization per group of `Group` elements along
+/// `AxisTag`, then a learned codebook of 2^Bits levels per layer (kvq::calibrate fills it;
+/// quantizing before calibration is an error naming the layer).
+template <int Bits, class AxisTag = PerToken, int Group = static_cast<int>(kDefaultIntGroup)>
+struct Nuq {
+  static_assert(Bits >= 2 && Bits <= 4, "Nuq<Bits, ...>: nuq formats have 2, 3 or 4 bits");
+  static_assert(detail::is_axis_tag<AxisTag>::value,
+                "Nuq<Bits, Axis, ...>: Axis must be PerToken, PerChannel, PerHead or PerTensor");
+  static_assert(Group >= 1, "Nuq<Bits, Axis, Group>: Group must be >= 1");
+  static constexpr bool kIsQuantizer = true;
+  static QuantConfig config() { return nuq_config(Bits, detail::axis_value<AxisTag>(), Group); }
+};
+
+namespace detail {
+/// Quantizers whose dense part can take outliers: Int, SInt, Fp8E4M3, Fp8E5M2, Nuq.
+template <class Q>
+struct accepts_outliers : std::false_type {};
+template <int B, class A, int G>
+struct accepts_outliers<Int<B, A, G>> : std::true_type {};
+template <int B, class A, int G>
+struct accepts_outliers<SInt<B, A, G>> : std::true_type {};
+template <class A, int G>
+struct accepts_outliers<Fp8E4M3<A, G>> : std::true_type {};
+template <class A, int G>
+struct accepts_outliers<Fp8E5M2<A, G>> : std::true_type {};
+template <int B, class A, int G>
+struct accepts_outliers<Nuq<B, A, G>> : std::true_type {};
+}  // namespace detail
+
+/// Dense-and-sparse: `Q` plus N entries per (token, head) vector kept exactly (spec /out<N>).
+template <class Q, int N>
+struct Outliers {
+  static_assert(detail::accepts_outliers<Q>::value,
+                "Outliers<Q, N>: Q must be Int, SInt, Fp8E4M3, Fp8E5M2 or Nuq (outliers "
+                "compose with grouped formats, not Raw or LloydMax)");
+  static_assert(N >= 1, "Outliers<Q, N>: N must be >= 1");
+  static constexpr bool kIsQuantizer = true;
+  static QuantConfig config() {
+    QuantConfig c = Q::config();
+    c.outliers = N;
+    return c;
+  }
+};
+
+/// Dense-and-sparse: `Q` plus ceil(Num / Den % x head_dim) outliers per vector (spec
+/// /out<P>%, e.g. OutliersPercent<Int<3, PerChannel>, 1> = int3/channel/g32/out1%).
+template <class Q, int Num, int Den = 1>
+struct OutliersPercent {
+  static_assert(detail::accepts_outliers<Q>::value,
+                "OutliersPercent<Q, ...>: Q must be Int, SInt, Fp8E4M3, Fp8E5M2 or Nuq");
+  static_assert(Den >= 1 && Num >= 1 && Num <= 100 * Den,
+                "OutliersPercent<Q, Num, Den>: the percentage Num/Den must be in (0, 100]");
+  static constexpr bool kIsQuantizer = true;
+  static QuantConfig config() {
+    QuantConfig c = Q::config();
+    c.outlier_pct = static_cast<float>(static_cast<double>(Num) / Den);
+    return c;
   }
 };
 

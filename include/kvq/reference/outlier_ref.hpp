@@ -41,24 +41,32 @@ OutlierSplit split_outliers(Axis axis, int64_t group, int64_t k, const KVView<co
     for (int64_t h = 0; h < s.heads; ++h)
       for (int64_t d = 0; d < s.head_dim; ++d)
         r.dense[static_cast<std::size_t>((t * s.heads + h) * s.head_dim + d)] = to_float(x.at(t, h, d));
-  std::vector<double> mean(nb, 0.0), sd(nb, 0.0);
+  // Four partial sums per box (channel d goes to partial d % 4), combined (p0 + p1) + (p2 + p3).
+  std::vector<double> mean(nb, 0.0), sd(nb, 0.0), part(4 * nb, 0.0);
+  auto combine = [&](std::size_t b) {
+    return (part[4 * b] + part[4 * b + 1]) + (part[4 * b + 2] + part[4 * b + 3]);
+  };
   auto at = [&](int64_t t, int64_t h, int64_t d) -> float& {
     return r.dense[static_cast<std::size_t>((t * s.heads + h) * s.head_dim + d)];
   };
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t h = 0; h < s.heads; ++h)
-      for (int64_t d = 0; d < s.head_dim; ++d) mean[box.index(t, h, d)] += at(t, h, d);
-  for (auto& m : mean) m *= 1.0 / static_cast<double>(box.size());
+      for (int64_t d = 0; d < s.head_dim; ++d)
+        part[4 * static_cast<std::size_t>(box.index(t, h, d)) + static_cast<std::size_t>(d % 4)] +=
+            at(t, h, d);
+  for (std::size_t b = 0; b < nb; ++b) mean[b] = combine(b) * (1.0 / static_cast<double>(box.size()));
+  std::fill(part.begin(), part.end(), 0.0);
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t h = 0; h < s.heads; ++h)
       for (int64_t d = 0; d < s.head_dim; ++d) {
         const double dv = static_cast<double>(at(t, h, d)) - mean[box.index(t, h, d)];
-        sd[box.index(t, h, d)] += dv * dv;
+        part[4 * static_cast<std::size_t>(box.index(t, h, d)) + static_cast<std::size_t>(d % 4)] +=
+            dv * dv;
       }
   // Inverse spread (0 for a constant box), as the fast path: score = |x - mean| * (1 / sd).
-  for (auto& v : sd) {
-    const double r = std::sqrt(v * (1.0 / static_cast<double>(box.size())));
-    v = r > 0.0 ? 1.0 / r : 0.0;
+  for (std::size_t b = 0; b < nb; ++b) {
+    const double r = std::sqrt(combine(b) * (1.0 / static_cast<double>(box.size())));
+    sd[b] = r > 0.0 ? 1.0 / r : 0.0;
   }
   std::vector<uint8_t> chosen(r.dense.size(), 0);
   for (int64_t t = 0; t < s.tokens; ++t)
