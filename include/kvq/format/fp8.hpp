@@ -18,8 +18,9 @@
 ///  - decoding a NaN code gives the canonical float NaN 0x7FFFFFFF, sign dropped (what CUDA's
 ///    fp8 -> half -> float path returns on host and device).
 ///
-/// The bulk span API (encode/decode over arrays with a scale) lives in
-/// kvq/kernels/cpu/fp8_cpu.hpp and is included at the end of this header.
+/// The bulk span API (encode/decode over arrays with a scale, SIMD) lives in
+/// kvq/kernels/cpu/fp8_cpu.hpp, above this header in the layer order: include it where spans
+/// are converted (this header includes nothing above format/).
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -208,4 +209,3 @@ inline float compute_scale(Fp8Kind kind, float amax, float margin = 1.f) {
 }  // namespace fp8
 }  // namespace kvq
 
-#include "kvq/kernels/cpu/fp8_cpu.hpp"

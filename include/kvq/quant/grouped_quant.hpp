@@ -20,6 +20,7 @@
 #include "kvq/format/fp8.hpp"
 #include "kvq/format/uniform.hpp"
 #include "kvq/geometry/grouping.hpp"
+#include "kvq/kernels/cpu/fp8_cpu.hpp"
 #include "kvq/kernels/cpu/uniform_cpu.hpp"
 #include "kvq/quant/packed_view.hpp"
 #include "kvq/quant/qtensor.hpp"

@@ -1,0 +1,71 @@
+#pragma once
+/// \file cache_backend.hpp
+/// KVBackend adapter: lets the real-model evaluator (eval/llama2c.hpp) keep its KV cache in a
+/// KVCache under a Policy, so a policy is measured by perplexity / KL on exactly the tokens the
+/// Fp32Backend baseline sees.
+///
+/// It lives in eval/ (beside the stack, above attention/) because it joins eval's backend
+/// interface, the cache and attention; every include here points down. kvq/cache/
+/// cache_backend.hpp forwards to it for code written against the old path.
+///
+/// The evaluator never truncates, so the cache keeps no rollback rows (KVCacheOptions::
+/// exact_rollback off): its effective bits are those of the stored tokens alone.
+///
+/// Keys are stored post-RoPE (the `k` argument) by default. With prerope_keys the cache holds
+/// the pre-RoPE keys (`k_prerope`) and attention rotates them after dequantization
+/// (core/rope.hpp, llama2.c's convention) — KVQuant's pre-RoPE key quantization in a real
+/// streaming cache.
+#include <utility>
+
+#include "kvq/attention/attention.hpp"
+#include "kvq/cache/kv_cache.hpp"
+#include "kvq/core/error.hpp"
+#include "kvq/eval/kv_backend.hpp"
+#include "kvq/policy/spec.hpp"
+
+namespace kvq {
+
+/// A KVBackend that stores every layer's keys and values in a KVCache under `policy`.
+class CacheBackend final : public eval::KVBackend {
+ public:
+  CacheBackend(Policy policy, const eval::KVGeometry& g, bool prerope_keys = false,
+               RopeConfig rope = {})
+      : cache_(std::move(policy), g.n_layers, g.n_kv_heads, g.head_dim, g.max_tokens,
+               KVCacheOptions{/*exact_rollback=*/false}),
+        prerope_(prerope_keys),
+        rope_(rope) {
+    KVQ_REQUIRE(!prerope_keys || g.head_dim % 2 == 0, kInvalidArgument,
+                "CacheBackend: pre-RoPE keys need an even head_dim, got ", g.head_dim);
+  }
+
+  void reset() override { cache_.clear(); }
+
+  void append(int layer, int pos, const float* k_prerope, const float* k,
+              const float* v) override {
+    if (prerope_) k = k_prerope;
+    const int64_t t = cache_.tokens(layer);
+    KVQ_REQUIRE(pos == t, kInvalidArgument, "CacheBackend::append: layer ", layer, " holds ", t,
+                " tokens, so the next position must be ", t, ", got ", pos);
+    const int H = cache_.kv_heads(), D = cache_.head_dim();
+    cache_.append(layer, KVView<const float>::nhd(k, 1, H, D),
+                  KVView<const float>::nhd(v, 1, H, D));
+  }
+
+  void attend(int layer, int pos, const float* q, int n_heads, float* out) override {
+    const int64_t t = cache_.tokens(layer);
+    KVQ_REQUIRE(t > 0 && pos == t - 1, kInvalidArgument, "CacheBackend::attend: layer ", layer,
+                " holds ", t, " tokens; a query at position ", pos,
+                " must come right after appending its own token");
+    attend_one(cache_, layer, q, n_heads, out, ws_, prerope_ ? &rope_ : nullptr);
+  }
+
+  const KVCache& cache() const { return cache_; }
+
+ private:
+  KVCache cache_;
+  bool prerope_;
+  RopeConfig rope_;
+  AttentionWorkspace ws_;
+};
+
+}  // namespace kvq
