@@ -111,7 +111,7 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
   const std::size_t code_bytes = packed_bytes(n, bits);
   q.codes[code_bytes - 1] = 0;  // unused trailing bits are zero
   const MetaDType meta = cfg.meta;
-  const auto msz = static_cast<std::size_t>(meta_size(meta));
+  [[maybe_unused]] const auto msz = static_cast<std::size_t>(meta_size(meta));  // SIMD paths
 
   const int64_t H = s.heads, D = s.head_dim;
   float* buf = QuantWorkspace::at_least(ws.buf, static_cast<std::size_t>(D));
