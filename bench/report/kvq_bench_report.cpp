@@ -46,6 +46,8 @@ const Target kTargets[] = {
     {"BM_Fp8Decode/", 0.8, 0, "issue 3"},
     {"BM_Fwht/128", 0, 20.0, "issue 4"},
     {"BM_Quantize/lm4/rot/f32", 0.3, 0, "issue 4"},
+    {"BM_Quantize/nuq3/token/f32", 0.3, 0, "issue 11"},
+    {"BM_Quantize/int3/token/out1%/f32", 0.3, 0, "issue 11"},
 };
 
 /// The machine the run was measured on (kvq_bench records it in the JSON context).

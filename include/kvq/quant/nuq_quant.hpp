@@ -9,10 +9,15 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kvq/config.hpp"
 #include "kvq/format/codebook.hpp"
 #include "kvq/format/meta.hpp"
 #include "kvq/format/nuq.hpp"
 #include "kvq/quant/grouped_quant.hpp"
+
+#if KVQ_HAS_AVX512
+#include <immintrin.h>
+#endif
 
 namespace kvq {
 
@@ -57,7 +62,23 @@ struct NuqCodec {
   bool has_zero() const { return true; }
   UniformParams params(float lo, float hi, int64_t g) const { return nuq_params(lo, hi, meta, g); }
   void encode(const float* x, int64_t n, float z, float inv, uint8_t* c) const {
-    for (int64_t i = 0; i < n; ++i) c[i] = codebook_encode(thr, bits, (x[i] - z) * inv);
+    int64_t i = 0;
+#if KVQ_HAS_AVX512
+    // 16 lanes: u = (x - z) * inv, code = number of thresholds <= u (the binary search's
+    // answer for ascending thresholds; NaN compares false, as in codebook_encode).
+    const int nthr = (1 << bits) - 1;
+    const __m512 zv = _mm512_set1_ps(z), iv = _mm512_set1_ps(inv);
+    const __m512i one = _mm512_set1_epi32(1);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 u = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), zv), iv);
+      __m512i code = _mm512_setzero_si512();
+      for (int j = 0; j < nthr; ++j)
+        code = _mm512_mask_add_epi32(
+            code, _mm512_cmp_ps_mask(u, _mm512_set1_ps(thr[j]), _CMP_GE_OQ), code, one);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(code));
+    }
+#endif
+    for (; i < n; ++i) c[i] = codebook_encode(thr, bits, (x[i] - z) * inv);
   }
   void encode_vec(const float* x, const float* z, const float* inv, int64_t n, uint8_t* c) const {
     for (int64_t i = 0; i < n; ++i) c[i] = codebook_encode(thr, bits, (x[i] - z[i]) * inv[i]);
