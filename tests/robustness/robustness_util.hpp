@@ -3,6 +3,7 @@
 // the hostile-but-finite input classes (issue 13, item 4). Public API only (quantize /
 // dequantize, KVCache, attend), so internal rewrites of quant/, cache/ and attention/ do not
 // touch these tests.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -29,7 +30,41 @@ inline std::vector<std::string> all_terms() {
       for (const char* m : {"", "/f32meta"}) t.push_back(std::string(f) + "/" + a + m);
   for (const char* f : {"lm1", "lm2", "lm3", "lm4", "lm2/qjl", "lm4/qjl"})
     for (const char* m : {"", "/f32meta"}) t.push_back(std::string(f) + m);
+  for (const char* f : {"nuq2", "nuq3", "nuq4"})
+    for (const char* a : {"token/g16", "channel/g8", "head/g4", "tensor/g8"})
+      for (const char* m : {"", "/f32meta"}) t.push_back(std::string(f) + "/" + a + m);
+  // Dense-and-sparse outliers (exact fp16 entries per vector) on every format that takes them.
+  for (const char* f :
+       {"int4/token/g16/out2", "sint2/channel/g8/out3", "int8/head/g4/out5%", "e4m3/token/out1",
+        "e5m2/head/g8/out2/f32meta", "nuq3/token/g16/out2", "nuq2/channel/g8/out10%/f32meta"})
+    t.push_back(f);
   return t;
+}
+
+/// A config as it is used: nuq configs get a calibrated codebook (ascending levels spanning
+/// the normalized range; what kvq::calibrate would attach).
+inline kvq::QuantConfig usable(kvq::QuantConfig c) {
+  if (c.format == kvq::Format::kNuq && !c.nuq_ready) {
+    c.nuq_ready = true;
+    const int n = 1 << c.bits;
+    for (int i = 0; i < n; ++i)
+      c.nuq_levels[static_cast<std::size_t>(i)] = -1.f + 2.f * static_cast<float>(i) / (n - 1);
+  }
+  return c;
+}
+inline kvq::QuantConfig usable_term(const std::string& term) {
+  return usable(kvq::parse_quant_config(term));
+}
+inline kvq::Policy usable_policy(const std::string& spec) {
+  kvq::Policy p = kvq::parse_policy(spec);
+  p.key = usable(p.key);
+  p.value = usable(p.value);
+  p.skip_config = usable(p.skip_config);
+  for (auto& kv : p.overrides) {
+    kv.second.first = usable(kv.second.first);
+    kv.second.second = usable(kv.second.second);
+  }
+  return p;
 }
 
 /// Every preset plus policies that reach the options presets leave out (sinks, residual 0,
@@ -43,6 +78,8 @@ inline std::vector<std::string> all_policies() {
   p.push_back("k=sint4/tensor/g16,v=int3/head/g16,residual=0,skip=1,skipas=fp8");
   p.push_back("k=lm2/f32meta,v=lm3/f32meta,residual=0,k@1=int4/channel/g16");
   p.push_back("k=bf16,v=sint2/token/g64,residual=0");
+  p.push_back("k=nuq3/channel/g16/out2,v=nuq2/token/g16,residual=0");
+  p.push_back("k=int4/channel/g16/out5%,v=e4m3/token/out1,residual=16,sinks=2");
   return p;
 }
 
@@ -170,6 +207,12 @@ inline bool documented_holdable(const kvq::QuantConfig& c, const std::vector<flo
   const bool f16_range =
       c.format == kvq::Format::kF16 || (!c.is_raw() && c.meta == kvq::MetaDType::kF16);
   if (f16_range && max_abs(x) > 65504.f) return false;
+  // nuq stores scale = max - min of a group (quant/nuq_quant.hpp): with fp16 metadata a group
+  // whose values span more than 65504 cannot be stored even when every value fits fp16.
+  if (c.format == kvq::Format::kNuq && c.meta == kvq::MetaDType::kF16) {
+    const auto mm = std::minmax_element(x.begin(), x.end());
+    if (!x.empty() && double(*mm.second) - double(*mm.first) > 65504.0) return false;
+  }
   if (c.format == kvq::Format::kLloydMax && c.meta == kvq::MetaDType::kF16 &&
       max_row_norm(x, head_dim) > 65504.0)
     return false;

@@ -62,8 +62,16 @@ Snapshot snap(const kvq::KVCache& c) {
     s.k.push_back(std::move(k));
     s.v.push_back(std::move(v));
   }
+  // The report's stored bytes by layer and kind; not `overhead` (bookkeeping: vector capacity,
+  // which a refused call may legitimately grow, e.g. a scratch block that was quantized into
+  // before the refusal).
   const kvq::MemoryReport r = c.memory_report();
-  s.report = r.str();
+  for (const kvq::LayerMemory& lm : r.layers) {
+    s.report += kvq::detail::cat(lm.layer, ":", lm.tokens, "/", lm.sink_tokens, "/",
+                                 lm.packed_tokens, "/", lm.residual_tokens, "/", lm.blocks, "/",
+                                 lm.key.total(), "/", lm.value.total(), "/", lm.key.packed.total(),
+                                 "/", lm.value.packed.total(), ";");
+  }
   s.total = r.total();
   return s;
 }
@@ -94,7 +102,7 @@ TEST(Refusal, RefusedAppendsLeaveEveryPolicysCacheUnchanged) {
   const std::vector<float> good_v = kvq_robust::normal({n, kHeads, kDim}, 4);
   int cases = 0;
   for (const std::string& spec : kvq_robust::all_policies()) {
-    const kvq::Policy policy = kvq::parse_policy(spec);
+    const kvq::Policy policy = kvq_robust::usable_policy(spec);
     kvq::KVCache cache(policy, kLayers, kHeads, kDim, kMaxTokens);
     kvq::KVCache twin(policy, kLayers, kHeads, kDim, kMaxTokens);
     append_all(cache, k0, v0, prefill.tokens);
@@ -173,6 +181,20 @@ TEST(Refusal, RefusedAppendsLeaveEveryPolicysCacheUnchanged) {
         refusals.push_back({"value -1e30 beyond fp16, layer " + std::to_string(l),
                             chunk(l, good_k, with(good_v, 3, 1, 40, -1e30f))});
       }
+      if (cache.value_config(l).format == kvq::Format::kNuq &&
+          cache.value_config(l).meta == kvq::MetaDType::kF16) {
+        // Every value fits fp16 but one group spans 120000 > 65504, nuq's fp16 scale (max -
+        // min); the cache may only find out when the block is quantized, and must still
+        // refuse the whole append unchanged.
+        std::vector<float> v = good_v;
+        for (int64_t t = 0; t < n; ++t) {
+          v[static_cast<size_t>((t * kHeads) * kDim)] = 60000.f;
+          v[static_cast<size_t>((t * kHeads) * kDim + 1)] = -60000.f;
+        }
+        refusals.push_back(
+            {"nuq value group spanning 120000 (fp16 scale), layer " + std::to_string(l),
+             chunk(l, good_k, v)});
+      }
       const kvq::QuantConfig& kc = cache.key_config(l);
       if (kc.format == kvq::Format::kLloydMax && kc.meta == kvq::MetaDType::kF16) {
         // Every element fits fp16, but the row norm (9000 * sqrt(64) = 72000) does not.
@@ -203,7 +225,7 @@ TEST(Refusal, RefusedQuantizeLeavesTheOutputTensorUntouched) {
   const std::vector<float> good = kvq_robust::normal(s, 11);
   int cases = 0;
   for (const std::string& term : kvq_robust::all_terms()) {
-    const kvq::QuantConfig cfg = kvq::parse_quant_config(term);
+    const kvq::QuantConfig cfg = kvq_robust::usable_term(term);
     kvq::QTensor q;
     kvq::quantize(cfg, kvq::KVView<const float>::nhd(good.data(), s.tokens, s.heads, s.head_dim),
                   q);
