@@ -107,6 +107,14 @@ std::vector<Scheme> default_grid() {
     g.push_back({"int" + std::to_string(bits) + " K channel pre-RoPE / V token g32",
                  "K channel pre-RoPE / V token", integer(bits, Axis::kChannel, 32),
                  integer(bits, Axis::kToken, 32), true});
+  // KVQuant dense-and-sparse: the same, with ceil(1% x head_dim) exact outliers per vector
+  // (docs/outliers.md). nuq<b> needs per-layer calibrated codebooks: kvq_perplexity --calibrate.
+  for (int bits : {2, 3, 4}) {
+    kvq::QuantConfig k = integer(bits, Axis::kChannel, 32), v = integer(bits, Axis::kToken, 32);
+    k.outlier_pct = v.outlier_pct = 1.f;
+    g.push_back({"int" + std::to_string(bits) + "+1% outliers K channel pre-RoPE / V token g32",
+                 "K channel pre-RoPE / V token + 1% outliers", k, v, true});
+  }
   return g;
 }
 
