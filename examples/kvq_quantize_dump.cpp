@@ -26,6 +26,7 @@
 #include "kvq/eval/synthetic.hpp"
 #include "kvq/io/kv_dump.hpp"
 #include "kvq/policy/spec.hpp"
+#include "calibration_source.hpp"
 #include "report.hpp"
 
 namespace {
@@ -33,8 +34,10 @@ namespace {
 void usage() {
   std::fprintf(stderr,
                "usage: kvq_quantize_dump --policy SPEC[;SPEC...] [--json] [--queries N]\n"
-               "                         [--prerope [--rope-theta T] [--rope-style adjacent|half]] "
-               "PATH\n");
+               "                         [--prerope [--rope-theta T] [--rope-style adjacent|half]]\n"
+               "                         [--calibrate CAL] [--save-calibration FILE] PATH\n"
+               "--calibrate: nuq codebooks from CAL, a calibration file or a KV dump (use another\n"
+               "  dump than PATH to keep evaluation data out of calibration)\n");
 }
 
 }  // namespace
@@ -42,6 +45,7 @@ void usage() {
 int main(int argc, char** argv) {
   std::string policy_arg, path, rope_style = "adjacent";
   bool json = false, prerope = false;
+  std::string calib_path, save_calib;
   int n_queries = 16;
   double theta = 10000.0;
   for (int i = 1; i < argc; ++i) {
@@ -56,6 +60,8 @@ int main(int argc, char** argv) {
     if (a == "--policy") policy_arg = next();
     else if (a == "--json") json = true;
     else if (a == "--prerope") prerope = true;
+    else if (a == "--calibrate") calib_path = next();
+    else if (a == "--save-calibration") save_calib = next();
     else if (a == "--rope-style") rope_style = next();
     else if (a == "--rope-theta") {
       char* end = nullptr;
@@ -99,9 +105,22 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const auto policies = kvq::parse_policies(policy_arg);
+    auto policies = kvq::parse_policies(policy_arg);
     const kvq::io::KVDump dump = kvq::io::load_kv_dump(path);
     const int L = static_cast<int>(dump.num_layers());
+    std::vector<std::string> names;  // specs as given (a calibrated policy lists every layer)
+    for (const kvq::Policy& p : policies) names.push_back(p.spec());
+    std::size_t n_cal = 0, i_cal = 0;
+    for (const kvq::Policy& p : policies) n_cal += kvq::needs_calibration(p, L) ? 1 : 0;
+    for (kvq::Policy& p : policies) {  // nuq codebooks (an uncalibrated nuq spec is an error)
+      if (!kvq::needs_calibration(p, L)) continue;
+      if (calib_path.empty()) kvq::check_calibrated(p, L);
+      std::string what;
+      p = kvq_tools::calibrate_from(p, calib_path, L, nullptr, prerope,
+                                    [](const std::string&, kvq::eval::KVBackend&) {}, &what);
+      if (!save_calib.empty()) kvq_tools::save_calibration_for(save_calib, i_cal, n_cal, p, L, what);
+      ++i_cal;
+    }
     const kvq::Shape shape = dump.layers[0].k.kv_shape();
     for (int l = 0; l < L; ++l)
       KVQ_REQUIRE(dump.layers[static_cast<size_t>(l)].k.kv_shape() == shape, kShapeMismatch,
@@ -136,7 +155,8 @@ int main(int argc, char** argv) {
     const int64_t nq = std::min<int64_t>(n_queries, T);
 
     std::vector<kvq_tools::Row> rows;
-    for (const kvq::Policy& p : policies) {
+    for (std::size_t pi = 0; pi < policies.size(); ++pi) {
+      const kvq::Policy& p = policies[pi];
       kvq::KVCache cache(p, L, static_cast<int>(H), static_cast<int>(D));
       std::vector<float> kd(static_cast<size_t>(shape.numel())), vd(kd.size());
       double kerr = 0, verr = 0, serr = 0, wkl = 0, oerr = 0;
@@ -178,7 +198,7 @@ int main(int argc, char** argv) {
       const auto rep = cache.memory_report();
       const auto kb = rep.key_total(), vb = rep.value_total();
       kvq_tools::Row r;
-      r.text = {{"policy", p.spec()}, {"queries", have_q ? "dump" : "keys (stand-in)"}};
+      r.text = {{"policy", names[pi]}, {"queries", have_q ? "dump" : "keys (stand-in)"}};
       r.num = {{"effective_bits", rep.effective_bits()},
                {"bytes", static_cast<double>(rep.total())},
                {"codes_bytes", static_cast<double>(kb.packed.codes + vb.packed.codes)},
