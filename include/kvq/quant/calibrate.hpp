@@ -446,6 +446,37 @@ inline CalibrationFile parse_calibration(std::string_view text, const std::strin
   return out;
 }
 
+/// `policy` with the codebooks of a calibration file: every nuq (layer, K/V) of `policy` takes
+/// the file's codebook for it, which must have been learned under the same normalization (nuq
+/// bits, axis, group, metadata type and outliers); throws kInvalidArgument naming the first
+/// mismatch, or when the file was made for another depth.
+inline Policy apply_calibration(const Policy& policy, const CalibrationFile& file, int n_layers) {
+  KVQ_REQUIRE(file.n_layers == n_layers, kInvalidArgument, "the calibration file is for ",
+              file.n_layers, " layers but the model has ", n_layers);
+  Policy out = policy;
+  if (!needs_calibration(policy, n_layers)) return out;
+  for (int l = 0; l < n_layers; ++l) {
+    QuantConfig kc = policy.key_for(l, n_layers), vc = policy.value_for(l, n_layers);
+    for (int kv = 0; kv < 2; ++kv) {
+      QuantConfig& c = kv == 0 ? kc : vc;
+      if (c.format != Format::kNuq) continue;
+      const QuantConfig f = kv == 0 ? file.policy.key_for(l, n_layers)
+                                    : file.policy.value_for(l, n_layers);
+      KVQ_REQUIRE(f.format == Format::kNuq && f.nuq_ready && f.bits == c.bits &&
+                      f.axis == c.axis && f.group == c.group && f.meta == c.meta &&
+                      f.outliers == c.outliers && f.outlier_pct == c.outlier_pct,
+                  kInvalidArgument, "layer ", l, kv == 0 ? " keys" : " values", " use ", c.name(),
+                  " but the calibration file holds ", f.name(),
+                  " there (a codebook is learned for one normalization: calibrate this policy)");
+      c.nuq_levels = f.nuq_levels;
+      c.nuq_ready = true;
+    }
+    out.overrides[l] = {kc, vc};
+  }
+  out.validate();
+  return out;
+}
+
 /// Writes the calibration file of `p` (calibrated for n_layers).
 inline void save_calibration(const std::filesystem::path& path, const Policy& p, int n_layers,
                              const std::string& source = "",
