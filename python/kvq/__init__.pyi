@@ -174,10 +174,13 @@ class MemoryReport:
 
     @property
     def total(self) -> int:
-        """Stored bytes: codes, metadata, f32 sinks and residual window."""
+        """Stored bytes: codes, metadata, f32 sinks, residual window (and rollback copy)."""
     @property
     def overhead(self) -> int:
         """Bookkeeping around the data (block headers, unused capacity)."""
+    @property
+    def scratch(self) -> int:
+        """Reusable scratch buffers of the cache (0 where the kvq version has none)."""
     @property
     def elements(self) -> int: ...
     @property
@@ -190,7 +193,8 @@ class MemoryReport:
     def head_dim(self) -> int: ...
     @property
     def keys(self) -> dict[str, Any]:
-        """{"packed": ByteBreakdown, "sinks": int, "residual": int, "total": int}"""
+        """{"packed": ByteBreakdown, "sinks": int, "residual": int, "total": int} (plus
+        "rollback", the f32 originals kept for exact truncation, where the cache has them)"""
     @property
     def values(self) -> dict[str, Any]: ...
     @property

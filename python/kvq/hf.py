@@ -32,7 +32,17 @@ except ImportError as _e:  # pragma: no cover - exercised only without the packa
 
 import kvq
 
-__all__ = ["KvqCache", "KvqLayer", "dynamic_cache_nbytes"]
+__all__ = ["KvqCache", "KvqLayer", "dynamic_cache_nbytes", "generate_cache_kwarg"]
+
+
+def generate_cache_kwarg() -> str:
+    """Name of generate()'s cache argument: "cache" in transformers versions that renamed it
+    (5.x), else "past_key_values"."""
+    try:
+        from transformers.generation.utils import ALL_CACHE_NAMES
+    except ImportError:
+        return "past_key_values"
+    return "cache" if "cache" in ALL_CACHE_NAMES else "past_key_values"
 
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

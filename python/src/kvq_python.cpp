@@ -313,11 +313,27 @@ nb::dict breakdown_dict(const kvq::ByteBreakdown& b) {
   return d;
 }
 
+template <class S>
+auto add_rollback(nb::dict& d, const S& s, int) -> decltype(s.rollback, void()) {
+  d["rollback"] = s.rollback;
+}
+template <class S>
+void add_rollback(nb::dict&, const S&, long) {}
+template <class R>
+auto scratch_of(const R& r, int) -> decltype(static_cast<size_t>(r.scratch)) {
+  return r.scratch;
+}
+template <class R>
+size_t scratch_of(const R&, long) {
+  return 0;
+}
+
 nb::dict stream_dict(const kvq::StreamBytes& s) {
   nb::dict d;
   d["packed"] = breakdown_dict(s.packed);
   d["sinks"] = s.sinks;
   d["residual"] = s.residual;
+  add_rollback(d, s, 0);
   d["total"] = s.total();
   return d;
 }
@@ -748,6 +764,7 @@ NB_MODULE(KVQ_PY_MODULE, m) {
   nb::class_<kvq::MemoryReport>(m, "MemoryReport")
       .def_prop_ro("total", &kvq::MemoryReport::total)
       .def_ro("overhead", &kvq::MemoryReport::overhead)
+      .def_prop_ro("scratch", [](const kvq::MemoryReport& r) { return scratch_of(r, 0); })
       .def_prop_ro("elements", &kvq::MemoryReport::elements)
       .def_prop_ro("effective_bits", &kvq::MemoryReport::effective_bits)
       .def_prop_ro("compression_vs_f16", &kvq::MemoryReport::compression_vs_f16)

@@ -39,7 +39,7 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> Path:
             pytest.fail(f"no C++ compiler or kvq headers (CXX={cxx}, include={include})")
         pytest.skip("no C++ compiler or kvq headers for the oracle")
     exe = tmp_path_factory.mktemp("oracle") / "kvq_oracle"
-    cmd = [cxx, "-std=c++17", "-O2", *VARIANT_FLAGS[kvq.variant], "-I", str(include), str(src),
+    cmd = [cxx, "-std=c++17", "-O3", *VARIANT_FLAGS[kvq.variant], "-I", str(include), str(src),
            "-o", str(exe), "-lpthread"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, f"oracle build failed: {' '.join(cmd)}\n{r.stderr[-4000:]}"
