@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstddef>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -222,66 +223,71 @@ TEST(FusedAttention, ThreadCountDoesNotChangeTheResult) {
   }
 }
 
-// ---- the kernels read only the segments: packed views into pages an "engine" allocated (one
-// arena, 64-byte aligned regions, copied from the cache's blocks) give the cache's result bit
-// for bit.
+// ---- the kernels read only page views: pages an "engine" allocated (its own arena, each
+// cache page copied byte for byte, its own page table) give the cache's result bit for bit.
 TEST(FusedAttention, EnginePagesGiveTheCacheResult) {
   for (const char* spec : {"kivi2", "k8v4", "k=lm4/qjl,v=lm3,sinks=4", "k=sint8/head,v=bf16"}) {
     const int64_t H = 4, D = 128, nh = 16, T = 300;
-    const KVCache c = filled_cache(std::string(spec).find('=') != std::string::npos
-                                       ? std::string(spec)
-                                       : std::string(spec),
-                                   T, H, D, 21);
-    std::vector<kvq::CacheSegment> segs;
-    c.for_each_segment(0, [&](const kvq::CacheSegment& s) { segs.push_back(s); });
-    // Engine arena: every packed region copied to a fresh 64-byte aligned slot.
-    std::vector<uint8_t> arena(std::size_t{8} << 20);
-    std::size_t used = 0;
-    auto place = [&](const uint8_t* src, std::size_t n) -> const uint8_t* {
-      if (src == nullptr) return nullptr;
-      used = (used + 63) / 64 * 64;
-      uint8_t* dst = arena.data() + used;
-      std::memcpy(dst, src, n);
-      used += n;
-      return dst;
-    };
-    std::vector<kvq::CacheSegment> pages;
-    for (const auto& s : segs) {
-      kvq::CacheSegment p;
-      p.kind = s.kind;
-      p.begin = s.begin;
-      p.end = s.end;
-      if (s.packed()) {
-        for (int kv = 0; kv < 2; ++kv) {
-          const kvq::QTensor& qt = kv == 0 ? *s.key : *s.value;
-          kvq::PackedView v;
-          v.config = qt.config;
-          v.shape = qt.shape;
-          v.codes = place(qt.codes.data(), qt.codes.size());
-          v.scales = place(qt.scales.raw().empty() ? nullptr : qt.scales.raw().data(), qt.scales.bytes());
-          v.zeros = place(qt.zeros.raw().empty() ? nullptr : qt.zeros.raw().data(), qt.zeros.bytes());
-          v.norms = place(qt.norms.raw().empty() ? nullptr : qt.norms.raw().data(), qt.norms.bytes());
-          v.qjl_signs = place(qt.qjl_signs.empty() ? nullptr : qt.qjl_signs.data(), qt.qjl_signs.size());
-          v.qjl_norms = place(qt.qjl_norms.raw().empty() ? nullptr : qt.qjl_norms.raw().data(),
-                              qt.qjl_norms.bytes());
-          (kv == 0 ? p.key_view : p.value_view) = v;
-        }
-      } else {
-        p.key_rows = s.key_rows;
-        p.value_rows = s.value_rows;
-      }
-      pages.push_back(p);
+    const KVCache c = filled_cache(spec, T, H, D, 21);
+    const kvq::PageTable pt = c.page_table(0);
+    const std::size_t pb = pt.layout.bytes;
+    std::vector<std::byte> arena(pb * static_cast<std::size_t>(pt.n_pages) + 64);
+    std::byte* base = arena.data() + (64 - reinterpret_cast<std::uintptr_t>(arena.data()) % 64) % 64;
+    std::vector<const std::byte*> table;
+    for (int64_t i = 0; i < pt.n_pages; ++i) {
+      std::memcpy(base + i * pb, pt.pages[i], pb);
+      table.push_back(base + i * pb);
     }
-    ASSERT_LE(used, arena.size());
+    kvq::PageTable mine = pt;
+    mine.pages = table.data();
+    KVView<const float> sk(nullptr, kvq::Shape{0, H, D}), sv = sk, rk = sk, rv = sk;
+    c.for_each_segment(0, [&](const kvq::CacheSegment& s) {
+      if (s.kind == kvq::CacheSegment::Kind::kSinks) {
+        sk = s.key_rows;
+        sv = s.value_rows;
+      } else if (s.kind == kvq::CacheSegment::Kind::kResidual) {
+        rk = s.key_rows;
+        rv = s.value_rows;
+      }
+    });
     for (int64_t nq : {1, 12}) {
       const auto q = kvq_test::kv_data({nq, nh, D}, 4, false);
       std::vector<float> a(q.size()), b(q.size());
       AttentionWorkspace ws;
       kvq::attend(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
                   KVView<float>::nhd(a.data(), nq, nh, D), true, ws);
-      kvq::attend_segments(pages.data(), pages.size(), H, D,
-                           KVView<const float>::nhd(q.data(), nq, nh, D),
-                           KVView<float>::nhd(b.data(), nq, nh, D), true, ws);
+      kvq::attend_pages(mine, sk, sv, rk, rv, KVView<const float>::nhd(q.data(), nq, nh, D),
+                        KVView<float>::nhd(b.data(), nq, nh, D), true, ws);
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << spec;
+    }
+  }
+}
+
+// ---- attend_pages over the cache's page table (plus its sink and residual rows) gives the
+// cache's result bit for bit.
+TEST(FusedAttention, AttendPagesOverThePageTable) {
+  for (const char* spec : {"kivi2", "k=lm4/qjl,v=lm3,sinks=4", "k=e4m3/token,v=int4/token/g32,sinks=2,residual=16"}) {
+    const int64_t H = 2, D = 64, nh = 8, T = 260;
+    const KVCache c = filled_cache(spec, T, H, D, 17);
+    const kvq::PageTable pt = c.page_table(0);
+    KVView<const float> sk(nullptr, kvq::Shape{0, H, D}), sv = sk, rk = sk, rv = sk;
+    c.for_each_segment(0, [&](const kvq::CacheSegment& s) {
+      if (s.kind == kvq::CacheSegment::Kind::kSinks) {
+        sk = s.key_rows;
+        sv = s.value_rows;
+      } else if (s.kind == kvq::CacheSegment::Kind::kResidual) {
+        rk = s.key_rows;
+        rv = s.value_rows;
+      }
+    });
+    for (int64_t nq : {1, 9}) {
+      const auto q = kvq_test::kv_data({nq, nh, D}, 6, false);
+      std::vector<float> a(q.size()), b(q.size());
+      AttentionWorkspace ws;
+      kvq::attend(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
+                  KVView<float>::nhd(a.data(), nq, nh, D), true, ws);
+      kvq::attend_pages(pt, sk, sv, rk, rv, KVView<const float>::nhd(q.data(), nq, nh, D),
+                        KVView<float>::nhd(b.data(), nq, nh, D), true, ws);
       ASSERT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << spec;
     }
   }

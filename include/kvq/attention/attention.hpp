@@ -51,6 +51,60 @@ inline void attend_segments(const CacheSegment* segs, std::size_t n_segs, int64_
   kernels::attn::attend_segments(ws.w, T, kv_heads, head_dim, q, out, causal, key_rope, opt, 0);
 }
 
+/// Attention over an engine's page table (layout/page_layout.hpp: pages it allocated and
+/// filled with quantize_page, or KVCache::page_table): f32 sink rows for the positions before
+/// table.first_token (`sink_k`/`sink_v`, [first_token, kv_heads, head_dim], empty when
+/// first_token == 0), the table's pages, then f32 rows after them (`tail_k`/`tail_v`: the
+/// residual window, may be empty). Same semantics, errors and options as attend().
+inline void attend_pages(const PageTable& table, KVView<const float> sink_k,
+                         KVView<const float> sink_v, KVView<const float> tail_k,
+                         KVView<const float> tail_v, KVView<const float> q, KVView<float> out,
+                         bool causal, AttentionWorkspace& ws, const RopeConfig* key_rope = nullptr,
+                         const AttentionOptions& opt = {}) {
+  const int64_t H = table.layout.kv_heads, D = table.layout.head_dim;
+  KVQ_REQUIRE(sink_k.tokens() == table.first_token && sink_v.tokens() == table.first_token,
+              kShapeMismatch, "attend_pages: ", table.first_token,
+              " sink tokens precede the pages, but the sink rows hold ", sink_k.tokens(), " and ",
+              sink_v.tokens());
+  KVQ_REQUIRE(tail_k.tokens() == tail_v.tokens(), kShapeMismatch,
+              "attend_pages: tail keys and values differ in tokens (", tail_k.tokens(), " vs ",
+              tail_v.tokens(), ")");
+  auto& segs = ws.w.segs;
+  segs.clear();
+  int64_t pos = 0;
+  if (table.first_token > 0) {
+    CacheSegment s;
+    s.kind = CacheSegment::Kind::kSinks;
+    s.begin = 0;
+    s.end = table.first_token;
+    s.key_rows = sink_k;
+    s.value_rows = sink_v;
+    segs.push_back(s);
+    pos = s.end;
+  }
+  for (int64_t i = 0; i < table.n_pages; ++i) {
+    CacheSegment s;
+    s.kind = CacheSegment::Kind::kPacked;
+    s.begin = pos;
+    s.end = pos + table.page_fill(i);
+    s.key_view = table.key_view(i);
+    s.value_view = table.value_view(i);
+    if (s.end > s.begin) segs.push_back(s);
+    pos = s.end;
+  }
+  if (tail_k.tokens() > 0) {
+    CacheSegment s;
+    s.kind = CacheSegment::Kind::kResidual;
+    s.begin = pos;
+    s.end = pos + tail_k.tokens();
+    s.key_rows = tail_k;
+    s.value_rows = tail_v;
+    segs.push_back(s);
+    pos = s.end;
+  }
+  kernels::attn::attend_segments(ws.w, pos, H, D, q, out, causal, key_rope, opt, 0);
+}
+
 /// Attention of the queries `q` ([n_q, n_heads, head_dim], the newest n_q positions of `layer`)
 /// over `cache`, written to `out` (same shape, any strides). n_heads must be a multiple of the
 /// cache's kv_heads; with `causal`, n_q must not exceed the layer's tokens. Throws (writing
