@@ -227,3 +227,28 @@ TEST(PolicyTags, NuqAndOutliersMatchTheirSpecs) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Calibrate, ApplyCalibrationChecksTheNormalization) {
+  const auto data = synthetic_set(2, 64, false, 6);
+  const kvq::Policy cal = kvq::calibrate(kvq::parse_policy("k=nuq3/channel/g32,v=nuq2"), data);
+  const kvq::CalibrationFile f = kvq::parse_calibration(kvq::calibration_json(cal, 2), "mem");
+  const kvq::Policy same = kvq::apply_calibration(kvq::parse_policy("k=nuq3/channel/g32,v=nuq2"), f, 2);
+  EXPECT_EQ(same, cal);
+  // Only the nuq parts take codebooks; the rest of the policy is the caller's.
+  const kvq::Policy mixed =
+      kvq::apply_calibration(kvq::parse_policy("k=nuq3/channel/g32,v=int4,residual=16"), f, 2);
+  EXPECT_TRUE(mixed.key_for(1, 2).nuq_ready);
+  EXPECT_EQ(mixed.key_for(1, 2).nuq_levels, cal.key_for(1, 2).nuq_levels);
+  EXPECT_EQ(mixed.value_for(0, 2).format, kvq::Format::kInt);
+  EXPECT_EQ(mixed.residual, 16);
+  for (const char* other : {"k=nuq3/channel/g16,v=nuq2", "k=nuq4/channel/g32,v=nuq2",
+                            "k=nuq3/channel/g32/out1,v=nuq2", "k=nuq3/channel/g32,v=nuq2/channel"}) {
+    EXPECT_THROW(kvq::apply_calibration(kvq::parse_policy(other), f, 2), kvq::Error) << other;
+  }
+  EXPECT_THROW(kvq::apply_calibration(kvq::parse_policy("k=nuq3/channel/g32,v=nuq2"), f, 3),
+               kvq::Error);
+}
+
+}  // namespace
