@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "kvq/attention/attention.hpp"
-#include "kvq/cache/cache_backend.hpp"
+#include "kvq/eval/cache_backend.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/eval/kv_backend.hpp"
 #include "kvq/eval/llama2c.hpp"
