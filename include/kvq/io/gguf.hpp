@@ -587,6 +587,7 @@ inline void dequantize(uint32_t type, const uint8_t* src, float* dst, int64_t n)
               "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)");
   KVQ_REQUIRE(n >= 0 && n % tt.block == 0, kInvalidArgument, "GGUF: ", n, " values of ", tt.name,
               " is not a multiple of its block of ", tt.block);
+  if (n == 0) return;  // an empty tensor: nothing to read (dst may be null)
   const int64_t nb = n / tt.block;
   switch (type) {
     case 0: std::memcpy(dst, src, static_cast<size_t>(n) * 4); break;
