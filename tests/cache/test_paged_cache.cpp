@@ -18,6 +18,10 @@
 namespace {
 std::size_t g_allocs = 0;
 }
+// GCC cannot see that the replaced operator new pairs with free below.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
 void* operator new(std::size_t n) {
   ++g_allocs;
   if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
