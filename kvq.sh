@@ -2,9 +2,9 @@
 # kvq's one entry point for a fresh Debian/Ubuntu machine.
 #   ./kvq.sh compare [args]  install what is missing, build, run the geometry-vs-bits comparison
 #   ./kvq.sh test            install what is missing, build, run the whole test suite (ctest),
-#                            then again under AddressSanitizer + UndefinedBehaviorSanitizer
-#                            (portable scalar paths), then the kernel tests under ASan + UBSan
-#                            with the SIMD paths on (-march=native)
+#                            then the kernel tests (SIMD paths and their KVQ_NO_SIMD scalar
+#                            twins) under AddressSanitizer + UndefinedBehaviorSanitizer, then the
+#                            concurrency tests under ThreadSanitizer
 #   ./kvq.sh bench [args]    build and run kvq_bench (Google Benchmark; args passed through),
 #                            5 repetitions, JSON in $build/bench.json, then the median / ratio
 #                            to BM_Memcpy table (kvq_bench_report)
@@ -74,31 +74,34 @@ case "$cmd" in
     ;;
   test)
     need_pkgs
-    configure_build "$build"
+    sanitize=1
+    [ "${KVQ_SKIP_SANITIZE:-0}" = "1" ] && sanitize=0
+    # 1. Release build (-O3, SIMD paths): every test. The *_scalar twins (kernel tests compiled
+    #    with KVQ_NO_SIMD) are built here only when no sanitizer pass follows; otherwise the
+    #    sanitizer pass builds and runs them.
+    twins=ON
+    [ "$sanitize" = "1" ] && twins=OFF
+    configure_build "$build" -DKVQ_SCALAR_TWINS=$twins
     (cd "$build" && ctest --output-on-failure -j "$jobs")
-    if [ "${KVQ_SKIP_SANITIZE:-0}" != "1" ]; then
-      echo "kvq: sanitizer pass (ASan + UBSan, portable scalar paths)" >&2
-      configure_build "${build}-asan" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" -DKVQ_SANITIZE=ON \
-        -DKVQ_NATIVE=OFF -DKVQ_BUILD_BENCH=OFF -DKVQ_CUDA=OFF
-      (cd "${build}-asan" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
-        UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-        ctest --output-on-failure -j "$jobs" -LE "exhaustive|buildsystem")
-      # Second pass: the SIMD kernels (AVX-512 / AVX2 / F16C, -march=native) under ASan + UBSan,
-      # only the tests labelled "kernels" (core, format, geometry, quant, layout, cache, attention)
-      # and only their targets, at -O1 -g1 (line tables only: half the compile time of -g), so
-      # CI stays short.
-      echo "kvq: sanitizer pass (ASan + UBSan, SIMD paths: -march=native, tests labelled kernels)" >&2
-      simd="${build}-asan-simd"
-      cmake -S "$here" -B "$simd" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
-        -DKVQ_SANITIZE=ON -DKVQ_NATIVE=ON -DKVQ_BUILD_BENCH=OFF -DKVQ_CUDA=OFF >/dev/null
-      kernel_tests=$(cd "$simd" && ctest -N -L kernels -LE "scalar|exhaustive" |
+    if [ "$sanitize" = "1" ]; then
+      # 2. ASan + UBSan (-O1 -g1), one build: the tests labelled "kernels" (core, format,
+      #    geometry, quant, layout, cache, attention) with the SIMD paths on (-march=native) AND
+      #    their *_scalar twins (KVQ_NO_SIMD: the portable scalar paths). Only those targets are
+      #    built, so CI stays short. (The parsers run under ASan + UBSan in `./kvq.sh fuzz`, which
+      #    starts by executing every seed of their corpora.)
+      echo "kvq: sanitizer pass (ASan + UBSan; SIMD and scalar kernel tests)" >&2
+      san="${build}-asan"
+      cmake -S "$here" -B "$san" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
+        -DKVQ_SANITIZE=ON -DKVQ_NATIVE=ON -DKVQ_SCALAR_TWINS=ON -DKVQ_BUILD_BENCH=OFF \
+        -DKVQ_CUDA=OFF >/dev/null
+      san_tests=$(cd "$san" && ctest -N -L kernels -LE exhaustive |
         sed -n 's/^ *Test *#[0-9]*: *//p')
-      [ -n "$kernel_tests" ] || { echo "kvq: no tests labelled kernels" >&2; exit 1; }
+      [ -n "$san_tests" ] || { echo "kvq: no tests labelled kernels" >&2; exit 1; }
       # shellcheck disable=SC2086
-      cmake --build "$simd" -j "$jobs" --target $kernel_tests
-      (cd "$simd" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+      cmake --build "$san" -j "$jobs" --target $san_tests
+      (cd "$san" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
         UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-        ctest --output-on-failure -j "$jobs" -L kernels -LE "scalar|exhaustive")
+        ctest --output-on-failure -j "$jobs" -L kernels -LE exhaustive)
     fi
     if [ "${KVQ_SKIP_SANITIZE:-0}" != "1" ]; then
       # ThreadSanitizer: only the concurrency tests (the thread-safety contract in
@@ -171,7 +174,8 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
     "$py" -m venv "$venv"
     "$venv/bin/python" -m pip install -q scikit-build-core nanobind numpy pytest
     CMAKE_BUILD_PARALLEL_LEVEL=$jobs "$venv/bin/python" -m pip install -q --no-build-isolation \
-      "$here/python" -Cbuild-dir="$here/$build/py-build"
+      "$here/python" -Cbuild-dir="$here/$build/py-build" \
+      ${KVQ_PY_VARIANTS:+-Ccmake.define.KVQ_PY_VARIANTS="$KVQ_PY_VARIANTS"}
     rc=0
     KVQ_TOOLS_DIR="$here/$build/examples" "$venv/bin/python" -m pytest "$here/python/tests" -q \
       -p no:cacheprovider "$@" || rc=$?
