@@ -84,23 +84,23 @@ case "$cmd" in
     configure_build "$build" -DKVQ_SCALAR_TWINS=$twins
     (cd "$build" && ctest --output-on-failure -j "$jobs")
     if [ "$sanitize" = "1" ]; then
-      # 2. ASan + UBSan (-O1 -g1), one build: the tests labelled "kernels" (core, format,
-      #    geometry, quant, layout, cache, attention) with the SIMD paths on (-march=native) AND
-      #    their *_scalar twins (KVQ_NO_SIMD: the portable scalar paths). Only those targets are
-      #    built, so CI stays short. (The parsers run under ASan + UBSan in `./kvq.sh fuzz`, which
+      # 2. ASan + UBSan (-O1 -g1), one build: the tests labelled "asan" (core, format, geometry,
+      #    quant, layout and the fused-attention sweep; tests/CMakeLists.txt) with the SIMD paths
+      #    on (-march=native) AND their *_scalar twins (KVQ_NO_SIMD: the portable scalar paths).
+      #    Only those targets are built, so CI stays short. (The parsers run under ASan + UBSan in `./kvq.sh fuzz`, which
       #    starts by executing every seed of their corpora.)
       echo "kvq: sanitizer pass (ASan + UBSan; SIMD and scalar kernel tests)" >&2
       san="${build}-asan"
       cmake -S "$here" -B "$san" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
         -DKVQ_SANITIZE=ON -DKVQ_NATIVE=ON -DKVQ_SCALAR_TWINS=ON -DKVQ_BUILD_BENCH=OFF \
         -DKVQ_CUDA=OFF >/dev/null
-      n_san=$(cd "$san" && ctest -N -L kernels -LE exhaustive | grep -c 'Test *#' || true)
-      [ "$n_san" -gt 0 ] || { echo "kvq: no tests labelled kernels" >&2; exit 1; }
+      n_san=$(cd "$san" && ctest -N -L asan -LE exhaustive | grep -c 'Test *#' || true)
+      [ "$n_san" -gt 0 ] || { echo "kvq: no tests labelled asan" >&2; exit 1; }
       # One aggregate goal (tests/CMakeLists.txt): several --target goals would build serially.
       cmake --build "$san" -j "$jobs" --target kvq_kernel_tests
       (cd "$san" && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
         UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-        ctest --output-on-failure -j "$jobs" -L kernels -LE exhaustive)
+        ctest --output-on-failure -j "$jobs" -L asan -LE exhaustive)
     fi
     if [ "${KVQ_SKIP_SANITIZE:-0}" != "1" ]; then
       # ThreadSanitizer: only the concurrency tests (the thread-safety contract in
