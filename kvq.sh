@@ -76,12 +76,9 @@ case "$cmd" in
     need_pkgs
     sanitize=1
     [ "${KVQ_SKIP_SANITIZE:-0}" = "1" ] && sanitize=0
-    # 1. Release build (-O3, SIMD paths): every test. The *_scalar twins (kernel tests compiled
-    #    with KVQ_NO_SIMD) are built here only when no sanitizer pass follows; otherwise the
-    #    sanitizer pass builds and runs them.
-    twins=ON
-    [ "$sanitize" = "1" ] && twins=OFF
-    configure_build "$build" -DKVQ_SCALAR_TWINS=$twins
+    # 1. Release build (-O3): every test, with the SIMD paths and, for the kernel tests, their
+    #    *_scalar twins (compiled with KVQ_NO_SIMD: the portable scalar paths).
+    configure_build "$build" -DKVQ_SCALAR_TWINS=ON
     (cd "$build" && ctest --output-on-failure -j "$jobs")
     if [ "$sanitize" = "1" ]; then
       # 2. ASan + UBSan (-O1 -g1), one build: the tests labelled "asan" (core, format, geometry,

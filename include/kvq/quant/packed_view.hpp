@@ -151,6 +151,8 @@ struct QuantWorkspace {
   std::vector<float> dense, ovals;    // dense-and-sparse: [tokens, heads, head_dim], [.., k]
   std::vector<int32_t> sel;           // dense-and-sparse: [tokens, heads, k] channels
   OutlierScratch outlier;             // selection statistics (geometry/outliers.hpp)
+  std::vector<f16> h16;               // [head_dim] raw f16 row staged for an unaligned span
+  std::vector<bf16> b16;              // [head_dim] raw bf16 row staged for an unaligned span
   template <class V>
   static typename V::value_type* at_least(V& v, std::size_t n) {
     if (v.size() < n) v.resize(n);

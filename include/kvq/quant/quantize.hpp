@@ -9,6 +9,7 @@
 ///   dequantize(view, out[, ws])      from any PackedView (QTensor, page, engine page)
 ///   dequantize(qtensor, out)         the same through view_of()
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -62,15 +63,27 @@ void quantize_raw(const KVView<const T>& x, const PackedSpan& q, QuantWorkspace&
                  std::is_same_v<Stored, f16> ? "f16" : "bf16", " cannot store (it would become inf)");
       }
     }
-  auto* dst = reinterpret_cast<Stored*>(q.codes);
+  // Caller memory may be unaligned for Stored (a span carved from a byte buffer): rows are then
+  // converted into an aligned staging row and copied as bytes (no misaligned f16/bf16 access).
+  const auto row_bytes = static_cast<std::size_t>(D) * sizeof(Stored);
+  const bool aligned = reinterpret_cast<std::uintptr_t>(q.codes) % alignof(Stored) == 0;
+  Stored* stage = nullptr;
+  if constexpr (std::is_same_v<Stored, f16>) {
+    if (!aligned) stage = QuantWorkspace::at_least(ws.h16, static_cast<std::size_t>(D));
+  } else if constexpr (std::is_same_v<Stored, bf16>) {
+    if (!aligned) stage = QuantWorkspace::at_least(ws.b16, static_cast<std::size_t>(D));
+  }
   for (int64_t t = 0; t < x.tokens(); ++t)
     for (int64_t h = 0; h < x.heads(); ++h) {
       const float* row = load_row(x, t, h, buf);
-      Stored* o = dst + (t * x.heads() + h) * D;
+      uint8_t* o = q.codes + static_cast<std::size_t>(t * x.heads() + h) * row_bytes;
       if constexpr (std::is_same_v<Stored, float>) {
-        std::memcpy(o, row, static_cast<std::size_t>(D) * sizeof(float));
+        std::memcpy(o, row, row_bytes);
+      } else if (stage != nullptr) {
+        convert(row, stage, static_cast<std::size_t>(D));
+        std::memcpy(o, stage, row_bytes);
       } else {
-        convert(row, o, static_cast<std::size_t>(D));
+        convert(row, reinterpret_cast<Stored*>(o), static_cast<std::size_t>(D));
       }
     }
 }
@@ -79,14 +92,25 @@ template <class Stored, class T>
 void dequantize_raw(const PackedView& q, int64_t t0, const KVView<T>& out, QuantWorkspace& ws) {
   const int64_t D = q.shape.head_dim, H = q.shape.heads;
   float* buf = QuantWorkspace::at_least(ws.buf, static_cast<std::size_t>(D));
-  const auto* src = reinterpret_cast<const Stored*>(q.codes);
+  // As in quantize_raw: an unaligned view is staged through an aligned row first.
+  const auto row_bytes = static_cast<std::size_t>(D) * sizeof(Stored);
+  const bool aligned = reinterpret_cast<std::uintptr_t>(q.codes) % alignof(Stored) == 0;
+  Stored* stage = nullptr;
+  if constexpr (std::is_same_v<Stored, f16>) {
+    if (!aligned) stage = QuantWorkspace::at_least(ws.h16, static_cast<std::size_t>(D));
+  } else if constexpr (std::is_same_v<Stored, bf16>) {
+    if (!aligned) stage = QuantWorkspace::at_least(ws.b16, static_cast<std::size_t>(D));
+  }
   for (int64_t t = t0; t < t0 + out.tokens(); ++t)
     for (int64_t h = 0; h < H; ++h) {
-      const Stored* r = src + (t * H + h) * D;
+      const uint8_t* r = q.codes + static_cast<std::size_t>(t * H + h) * row_bytes;
       if constexpr (std::is_same_v<Stored, float>) {
-        std::memcpy(buf, r, static_cast<std::size_t>(D) * sizeof(float));
+        std::memcpy(buf, r, row_bytes);
+      } else if (stage != nullptr) {
+        std::memcpy(stage, r, row_bytes);
+        convert(stage, buf, static_cast<std::size_t>(D));
       } else {
-        convert(r, buf, static_cast<std::size_t>(D));
+        convert(reinterpret_cast<const Stored*>(r), buf, static_cast<std::size_t>(D));
       }
       store_row(out, t - t0, h, buf);
     }
