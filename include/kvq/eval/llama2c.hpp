@@ -752,6 +752,114 @@ struct EvalResult {
   double seconds = 0.0;        ///< wall time of the whole call (tokenization included)
 };
 
+namespace detail {
+
+/// The scoring shared by every model's evaluate_text: checks the options, then turns each
+/// prediction's test logits (and the reference's, from a lockstep run or a recorded trace) into
+/// NLL and KL, records the trace, and checks the totals at the end. Timing and forward passes
+/// stay with the caller, which knows how its model runs.
+class EvalScorer {
+ public:
+  /// `unit` names the tokenizer's entries in the vocab-mismatch error ("pieces", "tokens").
+  EvalScorer(const EvalOptions& options, const KVBackend& backend, int vocab,
+             int tokenizer_vocab, const char* unit)
+      : options_(options), vocab_(vocab), nv_(static_cast<size_t>(vocab)) {
+    KVQ_REQUIRE(tokenizer_vocab == vocab, kInvalidArgument, "evaluate_text: tokenizer has ",
+                tokenizer_vocab, " ", unit, " but the model has vocab_size ", vocab);
+    KVQ_REQUIRE(!(options.reference && options.reference_trace), kInvalidArgument,
+                "evaluate_text: give either a reference backend or a reference trace, not both");
+    KVQ_REQUIRE(options.reference != &backend || options.reference == nullptr, kInvalidArgument,
+                "evaluate_text: the reference backend must be a different object than the "
+                "tested one (they hold separate caches)");
+    KVQ_REQUIRE(options.max_seq_len >= 0 && options.max_sequences >= 0, kInvalidArgument,
+                "evaluate_text: max_seq_len and max_sequences must be >= 0");
+    KVQ_REQUIRE(options.record_trace == nullptr ||
+                    options.record_trace != options.reference_trace,
+                kInvalidArgument,
+                "evaluate_text: record_trace and reference_trace are the same "
+                "object; recording would overwrite the reference");
+    if (const LogitTrace* t = options.reference_trace) {
+      KVQ_REQUIRE(t->vocab_size == vocab, kInvalidArgument,
+                  "evaluate_text: reference trace has vocab_size ", t->vocab_size, ", the model ",
+                  vocab);
+    }
+    if (options.record_trace) {
+      options.record_trace->vocab_size = vocab;
+      options.record_trace->logits.clear();
+    }
+    result_.has_reference = options.reference != nullptr || options.reference_trace != nullptr;
+    lp_test_.resize(nv_);
+    lp_ref_.resize(nv_);
+  }
+
+  EvalResult& result() { return result_; }
+  bool has_reference() const { return result_.has_reference; }
+
+  /// One prediction of sequence `seq` at position `pos`: `test` are the tested backend's
+  /// logits, `ref_run` the reference backend's (nullptr when the reference is a trace).
+  void score(const float* test, const float* ref_run, size_t target, int64_t seq, int pos) {
+    check_finite(test, "test", seq, pos);
+    log_softmax(test, nv_, lp_test_.data());
+    result_.test.total_nll -= lp_test_[target];
+    ++result_.test.tokens;
+    if (options_.record_trace) {
+      options_.record_trace->logits.insert(options_.record_trace->logits.end(), test, test + nv_);
+    }
+    if (!result_.has_reference) return;
+    const float* ref = ref_run;
+    if (!options_.reference) {
+      const LogitTrace* t = options_.reference_trace;
+      KVQ_REQUIRE(trace_row_ < t->predictions(), kInvalidArgument,
+                  "evaluate_text: reference trace has only ", t->predictions(),
+                  " predictions; it was recorded on different text or options");
+      ref = t->logits.data() + trace_row_ * vocab_;
+      ++trace_row_;
+    }
+    check_finite(ref, "reference", seq, pos);
+    log_softmax(ref, nv_, lp_ref_.data());
+    result_.reference.total_nll -= lp_ref_[target];
+    ++result_.reference.tokens;
+    const double kl = kl_divergence_log_probs(lp_ref_.data(), lp_test_.data(), nv_);
+    kl_sum_ += kl;
+    result_.max_kl = std::max(result_.max_kl, kl);
+  }
+
+  /// Checks that predictions were made (`none_what` says what the lines lacked) and that a
+  /// reference trace was used up exactly; returns the result with the mean KL.
+  EvalResult finish(size_t n_lines, const char* none_what) {
+    KVQ_REQUIRE(result_.test.tokens > 0, kInvalidArgument,
+                "evaluate_text: no predictions were made (", n_lines, " lines, ", none_what, ")");
+    if (const LogitTrace* t = options_.reference_trace) {
+      KVQ_REQUIRE(trace_row_ == t->predictions(), kInvalidArgument,
+                  "evaluate_text: reference trace has ", t->predictions(),
+                  " predictions but this evaluation made ", trace_row_,
+                  "; it was recorded on different text or options");
+    }
+    if (result_.has_reference) {
+      result_.mean_kl = kl_sum_ / static_cast<double>(result_.test.tokens);
+    }
+    return result_;
+  }
+
+ private:
+  void check_finite(const float* l, const char* run, int64_t seq, int pos) const {
+    for (size_t i = 0; i < nv_; ++i) {
+      KVQ_REQUIRE(std::isfinite(l[i]), kNonFinite, "evaluate_text: ", run, " run, sequence ", seq,
+                  ", position ", pos, ": logit ", i, " is ", l[i]);
+    }
+  }
+
+  const EvalOptions& options_;
+  int vocab_;
+  size_t nv_;
+  EvalResult result_;
+  std::vector<double> lp_test_, lp_ref_;  // [vocab] log-softmax of each run
+  double kl_sum_ = 0.0;
+  int64_t trace_row_ = 0;
+};
+
+}  // namespace detail
+
 /// Splits a text file into lines at '\n'. Nothing else is stripped: a '\r' of a CRLF file
 /// stays part of its line and is tokenized (one byte-fallback token). That is how the reference
 /// figures in shared/docs/reference.md were measured on tinystories-dev.txt (CRLF): 4258
@@ -781,49 +889,13 @@ inline EvalResult evaluate_text(Llama2cModel& model, const Tokenizer& tokenizer,
   const auto call_start = Clock::now();
   const Llama2cConfig& cfg = model.config();
   const int vocab = cfg.vocab_size;
-  KVQ_REQUIRE(tokenizer.vocab_size() == vocab, kInvalidArgument, "evaluate_text: tokenizer has ",
-              tokenizer.vocab_size(), " pieces but the model has vocab_size ", vocab);
-  KVQ_REQUIRE(!(options.reference && options.reference_trace), kInvalidArgument,
-              "evaluate_text: give either a reference backend or a reference trace, not both");
-  KVQ_REQUIRE(options.reference != &backend || options.reference == nullptr, kInvalidArgument,
-              "evaluate_text: the reference backend must be a different object than the "
-              "tested one (they hold separate caches)");
-  KVQ_REQUIRE(options.max_seq_len >= 0 && options.max_sequences >= 0, kInvalidArgument,
-              "evaluate_text: max_seq_len and max_sequences must be >= 0");
-  KVQ_REQUIRE(options.record_trace == nullptr || options.record_trace != options.reference_trace,
-              kInvalidArgument,
-              "evaluate_text: record_trace and reference_trace are the same "
-              "object; recording would overwrite the reference");
-  const LogitTrace* ref_trace = options.reference_trace;
-  if (ref_trace) {
-    KVQ_REQUIRE(ref_trace->vocab_size == vocab, kInvalidArgument,
-                "evaluate_text: reference trace has vocab_size ", ref_trace->vocab_size,
-                ", the model ", vocab);
-  }
-  if (options.record_trace) {
-    options.record_trace->vocab_size = vocab;
-    options.record_trace->logits.clear();
-  }
+  detail::EvalScorer scorer(options, backend, vocab, tokenizer.vocab_size(), "pieces");
+  EvalResult& r = scorer.result();
   const int max_len =
       options.max_seq_len > 0 ? std::min(options.max_seq_len, cfg.seq_len) : cfg.seq_len;
-
-  EvalResult r;
-  r.has_reference = options.reference != nullptr || ref_trace != nullptr;
   const auto nv = static_cast<size_t>(vocab);
   std::vector<float> logits(nv);      // [vocab] test run
   std::vector<float> ref_logits(nv);  // [vocab] reference run
-  std::vector<double> lp_test(nv);    // [vocab] log-softmax, test
-  std::vector<double> lp_ref(nv);     // [vocab] log-softmax, reference
-  double kl_sum = 0.0;
-  int64_t trace_row = 0;
-
-  const auto check_finite = [&](const std::vector<float>& l, const char* run, int64_t seq,
-                                int pos) {
-    for (size_t i = 0; i < l.size(); ++i) {
-      KVQ_REQUIRE(std::isfinite(l[i]), kNonFinite, "evaluate_text: ", run, " run, sequence ", seq,
-                  ", position ", pos, ": logit ", i, " is ", l[i]);
-    }
-  };
 
   for (const std::string& line : lines) {
     if (line.empty()) continue;
@@ -836,56 +908,25 @@ inline EvalResult evaluate_text(Llama2cModel& model, const Tokenizer& tokenizer,
     for (int pos = 0; pos + 1 < static_cast<int>(tokens.size()); ++pos) {
       const int cur = tokens[static_cast<size_t>(pos)];
       const auto target = static_cast<size_t>(tokens[static_cast<size_t>(pos + 1)]);
-
       auto t0 = Clock::now();
       model.forward(cur, pos, backend, logits.data());
       r.test.seconds += seconds_since(t0);
       ++r.test.forward_passes;
-      check_finite(logits, "test", seq, pos);
-      log_softmax(logits.data(), nv, lp_test.data());
-      r.test.total_nll -= lp_test[target];
-      ++r.test.tokens;
-      if (options.record_trace) {
-        options.record_trace->logits.insert(options.record_trace->logits.end(), logits.begin(),
-                                            logits.end());
-      }
-
-      if (!r.has_reference) continue;
       if (options.reference) {
         t0 = Clock::now();
         model.forward(cur, pos, *options.reference, ref_logits.data());
         r.reference.seconds += seconds_since(t0);
         ++r.reference.forward_passes;
-      } else {
-        KVQ_REQUIRE(trace_row < ref_trace->predictions(), kInvalidArgument,
-                    "evaluate_text: reference trace has only ", ref_trace->predictions(),
-                    " predictions; it was recorded on different text or options");
-        const float* row = ref_trace->logits.data() + trace_row * vocab;
-        std::copy(row, row + vocab, ref_logits.begin());
-        ++trace_row;
       }
-      check_finite(ref_logits, "reference", seq, pos);
-      log_softmax(ref_logits.data(), nv, lp_ref.data());
-      r.reference.total_nll -= lp_ref[target];
-      ++r.reference.tokens;
-      const double kl = kl_divergence_log_probs(lp_ref.data(), lp_test.data(), nv);
-      kl_sum += kl;
-      r.max_kl = std::max(r.max_kl, kl);
+      scorer.score(logits.data(), options.reference ? ref_logits.data() : nullptr, target, seq,
+                   pos);
     }
     ++r.test.sequences;
     if (r.has_reference) ++r.reference.sequences;
   }
-  KVQ_REQUIRE(r.test.tokens > 0, kInvalidArgument, "evaluate_text: no predictions were made (",
-              lines.size(), " lines, none with text)");
-  if (ref_trace) {
-    KVQ_REQUIRE(trace_row == ref_trace->predictions(), kInvalidArgument,
-                "evaluate_text: reference trace has ", ref_trace->predictions(),
-                " predictions but this evaluation made ", trace_row,
-                "; it was recorded on different text or options");
-  }
-  if (r.has_reference) r.mean_kl = kl_sum / static_cast<double>(r.test.tokens);
-  r.seconds = seconds_since(call_start);
-  return r;
+  EvalResult out = scorer.finish(lines.size(), "none with text");
+  out.seconds = seconds_since(call_start);
+  return out;
 }
 
 }  // namespace kvq::eval

@@ -366,44 +366,12 @@ inline EvalResult evaluate_text(LlamaGgufModel& model, const BpeTokenizer& token
   };
   const auto call_start = Clock::now();
   const int vocab = model.config().vocab_size;
-  KVQ_REQUIRE(tokenizer.vocab_size() == vocab, kInvalidArgument, "evaluate_text: tokenizer has ",
-              tokenizer.vocab_size(), " tokens but the model has vocab_size ", vocab);
-  KVQ_REQUIRE(!(options.reference && options.reference_trace), kInvalidArgument,
-              "evaluate_text: give either a reference backend or a reference trace, not both");
-  KVQ_REQUIRE(options.reference != &backend || options.reference == nullptr, kInvalidArgument,
-              "evaluate_text: the reference backend must be a different object than the "
-              "tested one (they hold separate caches)");
-  KVQ_REQUIRE(options.max_seq_len >= 0 && options.max_sequences >= 0, kInvalidArgument,
-              "evaluate_text: max_seq_len and max_sequences must be >= 0");
-  KVQ_REQUIRE(options.record_trace == nullptr || options.record_trace != options.reference_trace,
-              kInvalidArgument, "evaluate_text: record_trace and reference_trace are the same "
-              "object; recording would overwrite the reference");
-  const LogitTrace* ref_trace = options.reference_trace;
-  if (ref_trace) {
-    KVQ_REQUIRE(ref_trace->vocab_size == vocab, kInvalidArgument,
-                "evaluate_text: reference trace has vocab_size ", ref_trace->vocab_size,
-                ", the model ", vocab);
-  }
-  if (options.record_trace) {
-    options.record_trace->vocab_size = vocab;
-    options.record_trace->logits.clear();
-  }
+  detail::EvalScorer scorer(options, backend, vocab, tokenizer.vocab_size(), "tokens");
+  EvalResult& r = scorer.result();
   const int cap = options.max_seq_len > 0 ? options.max_seq_len : kGgufEvalMaxTokens;
   const int max_len = std::min(cap, model.max_tokens());
-
-  EvalResult r;
-  r.has_reference = options.reference != nullptr || ref_trace != nullptr;
   const auto nv = static_cast<size_t>(vocab);
-  std::vector<float> logits, ref_logits;
-  std::vector<double> lp_test(nv), lp_ref(nv);
-  double kl_sum = 0.0;
-  int64_t trace_row = 0;
-  const auto check_finite = [&](const float* l, const char* run, int64_t seq, int pos) {
-    for (size_t i = 0; i < nv; ++i) {
-      KVQ_REQUIRE(std::isfinite(l[i]), kNonFinite, "evaluate_text: ", run, " run, sequence ", seq,
-                  ", position ", pos, ": logit ", i, " is ", l[i]);
-    }
-  };
+  std::vector<float> logits, ref_logits;  // [n_in, vocab] of each run
 
   for (const std::string& line : lines) {
     if (line.empty()) continue;
@@ -430,46 +398,15 @@ inline EvalResult evaluate_text(LlamaGgufModel& model, const BpeTokenizer& token
       r.reference.forward_passes += n_in;
     }
     for (int pos = 0; pos < n_in; ++pos) {
-      const float* lt = logits.data() + static_cast<size_t>(pos) * nv;
+      const size_t row = static_cast<size_t>(pos) * nv;
       const auto target = static_cast<size_t>(tokens[static_cast<size_t>(pos + 1)]);
-      check_finite(lt, "test", seq, pos);
-      log_softmax(lt, nv, lp_test.data());
-      r.test.total_nll -= lp_test[target];
-      ++r.test.tokens;
-      if (options.record_trace) {
-        options.record_trace->logits.insert(options.record_trace->logits.end(), lt, lt + nv);
-      }
-      if (!r.has_reference) continue;
-      const float* lr = nullptr;
-      if (options.reference) {
-        lr = ref_logits.data() + static_cast<size_t>(pos) * nv;
-      } else {
-        KVQ_REQUIRE(trace_row < ref_trace->predictions(), kInvalidArgument,
-                    "evaluate_text: reference trace has only ", ref_trace->predictions(),
-                    " predictions; it was recorded on different text or options");
-        lr = ref_trace->logits.data() + trace_row * vocab;
-        ++trace_row;
-      }
-      check_finite(lr, "reference", seq, pos);
-      log_softmax(lr, nv, lp_ref.data());
-      r.reference.total_nll -= lp_ref[target];
-      ++r.reference.tokens;
-      const double kl = kl_divergence_log_probs(lp_ref.data(), lp_test.data(), nv);
-      kl_sum += kl;
-      r.max_kl = std::max(r.max_kl, kl);
+      scorer.score(logits.data() + row, options.reference ? ref_logits.data() + row : nullptr,
+                   target, seq, pos);
     }
   }
-  KVQ_REQUIRE(r.test.tokens > 0, kInvalidArgument, "evaluate_text: no predictions were made (",
-              lines.size(), " lines, none with two or more tokens)");
-  if (ref_trace) {
-    KVQ_REQUIRE(trace_row == ref_trace->predictions(), kInvalidArgument,
-                "evaluate_text: reference trace has ", ref_trace->predictions(),
-                " predictions but this evaluation made ", trace_row,
-                "; it was recorded on different text or options");
-  }
-  if (r.has_reference) r.mean_kl = kl_sum / static_cast<double>(r.test.tokens);
-  r.seconds = seconds_since(call_start);
-  return r;
+  EvalResult out = scorer.finish(lines.size(), "none with two or more tokens");
+  out.seconds = seconds_since(call_start);
+  return out;
 }
 
 }  // namespace kvq::eval
