@@ -166,9 +166,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     kvq::dequantize(q, kvq::KVView<float>::nhd(out.data(), s.tokens, s.heads, s.head_dim));
   } catch (const kvq::Error&) {
     // A clean refusal is allowed: an outlier position outside head_dim is data corruption the
-    // decoder names. Otherwise it means validation let through a block the decoder cannot
-    // read (corpus/packed/crash-packed-lm-head-dim-1: Lloyd-Max with head_dim 1 passes
-    // check_lloyd_max, a power of two, but the sphere codebook needs d >= 3).
+    // decoder names. (corpus/packed/crash-packed-lm-head-dim-1 was the other case: Lloyd-Max
+    // with head_dim 1 passed check_lloyd_max, which now refuses head_dim < 3.)
     return 0;
   }
 

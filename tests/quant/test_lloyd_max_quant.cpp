@@ -167,7 +167,7 @@ TEST(LloydMaxQuant, BadInputKindsAndEdgeNorms) {
     }
   }
   // Unsupported head_dim (no Hadamard decomposition) and widths.
-  for (int64_t d : {6, 72, 100, 127}) {
+  for (int64_t d : {1, 2, 6, 72, 100, 127}) {
     std::vector<float> x(static_cast<size_t>(2 * d), 1.f);
     EXPECT_EQ(kind_of([&] { kvq::quantize(lm(2), KVView<const float>(x.data(), Shape{2, 1, d})); }),
               kvq::ErrorKind::kUnsupported)

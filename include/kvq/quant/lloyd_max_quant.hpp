@@ -106,6 +106,11 @@ inline void check_lloyd_max(const QuantConfig& cfg, const Shape& s) {
   KVQ_REQUIRE(cfg.bits >= 1 && cfg.bits <= 4, kInvalidArgument,
               "Lloyd-Max codebooks have 1..4 bits, got ", cfg.bits);
   if (s.numel() == 0) return;
+  // The codebook is that of one coordinate of a random unit vector in R^head_dim, which has a
+  // density only from 3 dimensions on (format/codebook.hpp).
+  KVQ_REQUIRE(s.head_dim >= 3, kUnsupported,
+              "rotate-then-Lloyd-Max needs head_dim >= 3 (its codebook is that of a coordinate of "
+              "a random unit vector in R^head_dim); got head_dim ", s.head_dim, " in ", s.str());
   KVQ_REQUIRE(s.head_dim <= 0x7fffffff && Rotation::hadamard_supported(static_cast<int>(s.head_dim)),
               kUnsupported, "rotate-then-Lloyd-Max needs a head_dim with a Hadamard rotation ",
               "(a power of two, or m * 2^k with 2^k >= 8, m odd, 1 < m <= 2^k); got head_dim ",
