@@ -31,6 +31,7 @@
 #include "kvq/quant/calibrate.hpp"  // nuq codebooks (needs policy/ and io/)
 #include "kvq/io/npy.hpp"
 #include "kvq/io/safetensors.hpp"
+#include "kvq/io/archive.hpp"
 #include "kvq/eval/metrics.hpp"
 #include "kvq/eval/synthetic.hpp"
 #include "kvq/eval/llama2c.hpp"

@@ -233,6 +233,12 @@ struct MemoryReport {
 };
 
 
+namespace detail {
+/// Reads and restores a cache's stored state (pages, f32 windows, rollback rows) for
+/// io/archive.hpp, which rebuilds a cache byte for byte from a file.
+struct KVCacheAccess;
+}  // namespace detail
+
 /// Options of a KVCache beyond its policy.
 struct KVCacheOptions {
   /// Keep the f32 originals of the newest page until the next flush, so that a rollback of up
@@ -499,6 +505,8 @@ class KVCache {
   }
 
  private:
+  friend struct detail::KVCacheAccess;
+
   struct Layer {
     QuantConfig kcfg, vcfg;  // streaming configs
     int64_t block = 1;       // B
