@@ -231,6 +231,7 @@ TEST(Archive, RoundTripIsByteIdenticalWithIdenticalAttention) {
     KVCache r = kvq::load_archive(path);
     expect_same_state(c, r);
     expect_same_attention(c, r, 5);
+    EXPECT_EQ(io::verify_archive(path).file_crc, sum.file_crc);
     // Re-saving the loaded cache gives the same bytes (the writer is deterministic and the
     // reader restores everything the writer reads).
     EXPECT_EQ(io::save_archive_bytes(r), bytes);

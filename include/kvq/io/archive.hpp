@@ -1531,14 +1531,15 @@ class ArchiveWriter {
     uint8_t t[kArchiveTrailerBytes] = {};
     detail::put_u64(t, footer_offset);
     detail::put_u64(t + 8, F);
-    detail::put_u32(t + 16, crc_);
+    const uint32_t file_crc = crc_;  // of every byte before the trailer
+    detail::put_u32(t + 16, file_crc);
     detail::put_u32(t + 20, io::crc32c(t, 20));
     std::memcpy(t + 24, kArchiveTrailerMagic, 8);
     write(t, sizeof t);
     ArchiveSummary s;
     s.bytes = offset_;
     s.records = index_.size();
-    s.file_crc = crc_;
+    s.file_crc = file_crc;
     if (file_) {
       file_->close();
       std::error_code ec;
