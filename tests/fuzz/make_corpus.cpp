@@ -4,6 +4,7 @@
 /// libFuzzer mutates. Run from the build: `fuzz_make_corpus tests/fuzz/corpus` (the files are
 /// committed; rerun only when a format grows). Crash inputs found later are added beside them
 /// by hand (named crash-<target>-<what>), never regenerated.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "kvq/io/archive.hpp"
 #include "kvq/io/kv_dump.hpp"
 #include "kvq/io/npy.hpp"
 #include "kvq/io/safetensors.hpp"
@@ -397,6 +399,61 @@ void calibration_seeds() {
   put("calibration", "no_nuq.json", kvq::calibration_json(kvq::parse_policy("kivi2"), 1));
 }
 
+/// Small archives (io/archive.hpp) with every record kind, several config kinds and both record
+/// orders (save_archive's, and pages streamed as they flush).
+void archive_seeds() {
+  auto fill = [](kvq::KVCache& c, int64_t tokens, uint32_t seed, kvq::io::ArchiveWriter* w) {
+    const int H = c.kv_heads(), D = c.head_dim();
+    std::vector<std::vector<float>> k, v;
+    for (int l = 0; l < c.n_layers(); ++l) {
+      k.push_back(arr({tokens, H, D}, kvq::DType::kF32, seed + 2 * static_cast<uint32_t>(l)).to_float());
+      v.push_back(arr({tokens, H, D}, kvq::DType::kF32, seed + 2 * static_cast<uint32_t>(l) + 1).to_float());
+    }
+    for (int64_t t = 0; t < tokens; t += 5) {
+      const int64_t n = std::min<int64_t>(5, tokens - t);
+      for (int l = 0; l < c.n_layers(); ++l)
+        c.append(l, kvq::KVView<const float>::nhd(k[static_cast<std::size_t>(l)].data() + t * H * D, n, H, D),
+                 kvq::KVView<const float>::nhd(v[static_cast<std::size_t>(l)].data() + t * H * D, n, H, D));
+      if (w) w->append_pages(c);
+    }
+  };
+  {
+    kvq::KVCache c(kvq::parse_policy("kivi2,sinks=2,residual=4,k@1=lm3,v@1=int4/token/g8"), 2, 1, 8);
+    fill(c, 39, 11, nullptr);
+    put("archive", "kivi2_sinks_override.kvqa", kvq::io::save_archive_bytes(c));
+  }
+  {
+    kvq::KVCache c(kvq::parse_policy("k8v4,residual=2"), 1, 2, 8);
+    std::vector<uint8_t> out;
+    kvq::io::ArchiveWriter w(out, c);
+    fill(c, 40, 21, &w);
+    w.finish(c);
+    put("archive", "k8v4_streamed.kvqa", out);
+  }
+  {
+    kvq::Policy p = kvq::parse_policy("k=nuq3/channel/g16/out1,v=e5m2/token/f32meta,sinks=1");
+    p.key.nuq_ready = true;
+    for (int i = 0; i < 8; ++i) p.key.nuq_levels[static_cast<std::size_t>(i)] = -1.f + 2.f * static_cast<float>(i) / 7.f;
+    kvq::KVCache c(p, 1, 1, 8);
+    fill(c, 20, 31, nullptr);
+    kvq::io::ArchiveOptions o;
+    o.key_rope = kvq::RopeConfig{10000.0, kvq::RopeStyle::kHalf};
+    o.note = "seed";
+    put("archive", "nuq_outliers_prerope.kvqa", kvq::io::save_archive_bytes(c, o));
+  }
+  {
+    kvq::KVCacheOptions o;
+    o.exact_rollback = false;
+    kvq::KVCache c(kvq::parse_policy("turbo3,skip=1,skipas=f16"), 3, 1, 8, 64, o);
+    fill(c, 18, 41, nullptr);
+    put("archive", "turbo3_skip_norollback.kvqa", kvq::io::save_archive_bytes(c));
+  }
+  {
+    kvq::KVCache c(kvq::parse_policy("f16,sinks=4"), 1, 1, 4);
+    put("archive", "empty.kvqa", kvq::io::save_archive_bytes(c));
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -413,6 +470,7 @@ int main(int argc, char** argv) {
   packed_seeds();
   gguf_seeds();
   calibration_seeds();
+  archive_seeds();
   std::printf("seed corpora written under %s\n", g_root.string().c_str());
   return 0;
 }
