@@ -1,12 +1,13 @@
 // kvq_archive: kvq's checksummed cache archives (.kvqa, include/kvq/io/archive.hpp,
 // docs/archive.md) for people and scripts.
 //
-//   kvq_archive write --policy SPEC [--calibrate CAL] [--chunk N]
+//   kvq_archive write --policy SPEC [--calibrate CAL] [--chunk N] [--no-rollback]
 //                     [--prerope [--rope-theta T] [--rope-style adjacent|half]] DUMP OUT.kvqa
 //       quantizes a KV dump (docs/dump-format.md) into a streaming cache, N tokens of every
 //       layer at a time (default 64), offloading the pages to OUT as they are flushed; the f32
 //       sinks/residual/rollback rows, the footer and the trailer go last. --prerope stores the
-//       dump's pre-RoPE keys and records the RoPE config in the archive.
+//       dump's pre-RoPE keys and records the RoPE config in the archive. --no-rollback leaves
+//       out the f32 originals of each layer's newest page (ArchiveOptions::rollback_rows).
 //   kvq_archive verify FILE
 //       checks every byte (exit 0 and a one-line summary; exit 1 and the damaged record named).
 //   kvq_archive info FILE [--json]
@@ -37,7 +38,7 @@ namespace io = kvq::io;
 
 void usage() {
   std::fprintf(stderr,
-               "usage: kvq_archive write --policy SPEC [--calibrate CAL] [--chunk N]\n"
+               "usage: kvq_archive write --policy SPEC [--calibrate CAL] [--chunk N] [--no-rollback]\n"
                "                         [--prerope [--rope-theta T] [--rope-style adjacent|half]]\n"
                "                         DUMP OUT.kvqa\n"
                "       kvq_archive verify FILE\n"
@@ -80,7 +81,7 @@ std::string shape_line(const io::ArchiveInfo& in) {
 
 int cmd_write(int argc, char** argv) {
   std::string spec, calib, dump_path, out, rope_style = "adjacent";
-  bool prerope = false;
+  bool prerope = false, rollback_rows = true;
   double theta = 10000.0;
   long chunk = 64;
   for (int i = 0; i < argc; ++i) {
@@ -95,6 +96,8 @@ int cmd_write(int argc, char** argv) {
       calib = next();
     } else if (a == "--prerope") {
       prerope = true;
+    } else if (a == "--no-rollback") {
+      rollback_rows = false;
     } else if (a == "--rope-style") {
       rope_style = next();
     } else if (a == "--rope-theta") {
@@ -150,6 +153,7 @@ int cmd_write(int argc, char** argv) {
   }
   kvq::KVCache cache(policy, L, static_cast<int>(H), static_cast<int>(D));
   io::ArchiveOptions opt;
+  opt.rollback_rows = rollback_rows;
   if (prerope) opt.key_rope = kvq::RopeConfig{theta, rope_style == "half" ? kvq::RopeStyle::kHalf : kvq::RopeStyle::kAdjacent};
   opt.note = "kvq_archive write --policy " + spec + " " + std::filesystem::path(dump_path).filename().string();
   io::ArchiveWriter w(out, cache, opt);

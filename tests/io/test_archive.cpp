@@ -283,6 +283,25 @@ TEST(Archive, NoRollbackOptionAndMaxTokensRoundTrip) {
   expect_same_state(c, r);
 }
 
+// Without the rollback rows: the same tokens, pages and windows, no rollback rows, identical
+// attention; per layer B x 2 x kv_heads x head_dim x 4 bytes (+ 128 of framing) smaller.
+TEST(Archive, WithoutRollbackRows) {
+  KVCache c(kvq::parse_policy("kivi2,sinks=4"), 2, 2, 32);
+  fill(c, 130, 4);
+  io::ArchiveOptions o;
+  o.rollback_rows = false;
+  const auto with = io::save_archive_bytes(c), without = io::save_archive_bytes(c, o);
+  // per layer: record header + payload + its index entry in the footer
+  EXPECT_EQ(with.size() - without.size(), 2u * (64 + 2 * 32 * 2 * 32 * 4 + 64));
+  KVCache r = io::load_archive_bytes(without.data(), without.size());
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_TRUE(Access::has_rollback(c, l));
+    EXPECT_FALSE(Access::has_rollback(r, l));
+  }
+  expect_same_attention(c, r, 3);
+  EXPECT_EQ(io::save_archive_bytes(r), without);  // everything else restored byte for byte
+}
+
 // Offload: pages stream out as the cache flushes them (decode one token at a time, the writer
 // called after every step), the f32 regions at the end. The result loads equal to the cache.
 TEST(Archive, StreamingWriterOffloadsPagesAsTheyAreFlushed) {

@@ -242,6 +242,11 @@ struct ArchiveOptions {
   std::optional<RopeConfig> key_rope;
   /// Free text (UTF-8, at most 1 MiB): where the data came from.
   std::string note;
+  /// Store the f32 originals of each layer's newest page (the cache's exact-rollback rows), so
+  /// the loaded cache is identical in every byte. false saves B rows of f32 keys and values per
+  /// layer; the loaded cache then holds the same tokens and pages but no rollback rows, as a
+  /// cache does after a truncate (a later rollback into its newest page re-rounds that page).
+  bool rollback_rows = true;
 };
 
 /// Reader limits.
@@ -1485,7 +1490,7 @@ class ArchiveWriter {
         add_record(l, seg.kind == CacheSegment::Kind::kSinks ? RecordKind::kSinks : RecordKind::kResidual, 0,
                    seg.begin, seg.end, seg.key_rows.data(), n, seg.value_rows.data(), n);
       });
-      const bool roll = ::kvq::detail::KVCacheAccess::has_rollback(cache, l) && p > 0;
+      const bool roll = rollback_rows_ && ::kvq::detail::KVCacheAccess::has_rollback(cache, l) && p > 0;
       if (roll) {
         const auto& ok = ::kvq::detail::KVCacheAccess::roll_k(cache, l);
         const auto& ov = ::kvq::detail::KVCacheAccess::roll_v(cache, l);
@@ -1560,6 +1565,7 @@ class ArchiveWriter {
     KVQ_REQUIRE(detail::host_little_endian(), kUnsupported,
                 "ArchiveWriter: kvq archives are little-endian and this host is not");
     policy_ = cache.policy();
+    rollback_rows_ = opt.rollback_rows;
     policy_layers_ = cache.n_layers();
     kv_heads_ = cache.kv_heads();
     head_dim_ = cache.head_dim();
@@ -1643,6 +1649,7 @@ class ArchiveWriter {
   std::unique_ptr<detail::VectorSink> mem_;
   detail::Sink* sink_ = nullptr;
   Policy policy_;
+  bool rollback_rows_ = true;
   int policy_layers_ = 0, kv_heads_ = 0, head_dim_ = 0;
   std::vector<std::vector<uint32_t>> written_;  // per layer: payload CRC of each archived page
   std::vector<ArchiveRecord> index_;

@@ -10,7 +10,7 @@
 ///   crc32c_hw        the SSE4.2 CRC32 instruction (8 bytes per _mm_crc32_u64), on x86-64 with
 ///                    GCC or Clang, compiled with a target attribute so it exists without
 ///                    -msse4.2 and used only when the CPU reports SSE4.2 (or the build targets
-///                    it). KVQ_NO_SIMD removes it.
+///                    it). KVQ_NO_SIMD (and nvcc translation units) leave it out.
 /// crc32c() picks the fast one. All three take a running value, so the checksum of a stream is
 /// computed piece by piece: crc32c(b, nb, crc32c(a, na)) == crc32c(a ++ b).
 #include <array>
@@ -20,7 +20,7 @@
 
 #include "kvq/config.hpp"
 
-#if !defined(KVQ_NO_SIMD) && (defined(__x86_64__) || defined(_M_X64)) && \
+#if !defined(KVQ_NO_SIMD) && !defined(__CUDACC__) && (defined(__x86_64__) || defined(_M_X64)) && \
     (defined(__GNUC__) || defined(__clang__))
 #define KVQ_CRC32C_HW 1
 #include <nmmintrin.h>
