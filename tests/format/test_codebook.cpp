@@ -346,8 +346,8 @@ TEST(Codebook, BulkMatchesScalar) {
       for (float c : cb->centroids) x.push_back(c);
       for (float v : {0.0f, -0.0f, inf, -inf, nan, -nan, 1e30f, -1e30f}) x.push_back(v);
       while (x.size() < 1003) x.push_back(static_cast<float>(rng.normal() * cb->centroids.back()));
-      for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17},
-                        static_cast<int64_t>(x.size())}) {
+      for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{15},
+                        int64_t{16}, int64_t{17}, int64_t{31}, static_cast<int64_t>(x.size())}) {
         std::vector<uint8_t> idx(n + 1, 0xAB);
         cb->encode(x.data(), idx.data(), n);
         for (int64_t i = 0; i < n; ++i) ASSERT_EQ(idx[i], cb->encode(x[i])) << b << " " << i;

@@ -69,7 +69,7 @@ struct Codebook {
   /// compiled in, with results identical to the scalar encode(), NaN and ties included.
   void encode(const float* x, uint8_t* idx, int64_t n) const;
 
-  /// decode() of n indices (idx: [n] -> x: [n]); AVX-512 table lookup for bits <= 4.
+  /// decode() of n indices (idx: [n] -> x: [n]); AVX-512 or AVX2 table lookup for bits <= 4.
   void decode(const uint8_t* idx, float* x, int64_t n) const;
 };
 
@@ -397,6 +397,21 @@ inline void Codebook::decode(const uint8_t* idx, float* x, int64_t n) const {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(idx + i));
       const __m512i id = _mm512_and_si512(_mm512_cvtepu8_epi32(b), mv);
       _mm512_storeu_ps(x + i, _mm512_permutexvar_ps(id, cv));
+    }
+  }
+#elif KVQ_HAS_AVX2
+  if (bits <= 4) {
+    // 16-entry table lookup as two 8-entry permutes (low 3 index bits) and a blend on bit 3.
+    alignas(32) float cen[16];
+    for (int k = 0; k < 16; ++k) cen[k] = centroids[k & mask];
+    const __m256 lo = _mm256_load_ps(cen), hi = _mm256_load_ps(cen + 8);
+    const __m256i mv = _mm256_set1_epi32(mask);
+    for (; i + 8 <= n; i += 8) {
+      const __m256i id = _mm256_and_si256(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(idx + i))), mv);
+      const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(id, 28));  // bit 3 -> sign
+      _mm256_storeu_ps(x + i, _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, id),
+                                               _mm256_permutevar8x32_ps(hi, id), upper));
     }
   }
 #endif

@@ -126,9 +126,10 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
   float* iv = QuantWorkspace::at_least(ws.iv, np);
   constexpr float kInf = std::numeric_limits<float>::infinity();
   const std::size_t row_bytes = static_cast<std::size_t>(D) * sizeof(T);
-#if KVQ_HAS_AVX512
+#if KVQ_ROW_TOKEN_KERNEL
   // Whole-row kernel for per-token int groups (falls back per row on any error).
-  const bool row_kernel = cfg.axis == Axis::kToken && box.gc % 16 == 0 &&
+  const bool row_kernel = cfg.axis == Axis::kToken &&
+                          box.gc % kernels::kRowTokenGroupMultiple == 0 &&
                           D / box.gc <= kernels::kRowTokenMaxGroups;
 #endif
 
@@ -155,7 +156,7 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
           if (x.dim_contiguous()) kernels::prefetch_ahead(x.row(t, h), row_bytes);
           const float* row = load_row(x, t, h, buf);
           uint8_t* dst = code_dst(t, h);
-#if KVQ_HAS_AVX512
+#if KVQ_ROW_TOKEN_KERNEL
           if constexpr (std::is_same_v<Codec, IntCodec>) {
             if (row_kernel) {
               const auto g = static_cast<std::size_t>(box.index(t, h, 0));
@@ -199,7 +200,7 @@ void grouped_quantize(const QuantConfig& cfg, const Codec& codec, int bits,
     }
     const int64_t g0 = tb * box.nh * box.nc;  // first group of this token block
     bool params_done = false;
-#if KVQ_HAS_AVX512
+#if KVQ_ROW_TOKEN_KERNEL
     if constexpr (std::is_same_v<Codec, IntCodec>) {
       // The block's groups are consecutive metadata slots g0 .. g0 + np - 1.
       params_done = kernels::uniform_params_array(

@@ -1,11 +1,19 @@
 #pragma once
 /// \file uniform_cpu.hpp
 /// CPU kernels for grouped uniform integer quantization: group statistics, encode/decode of
-/// contiguous runs, and 2/4-bit packing. AVX-512 when KVQ_HAS_AVX512, scalar otherwise; both
-/// produce bits identical to reference/uniform_ref.hpp (tests compare them).
+/// contiguous runs, and 2/4-bit packing. AVX-512 when KVQ_HAS_AVX512, else AVX2 (+FMA, and F16C
+/// where fp16 values are rounded) when KVQ_HAS_AVX2, scalar otherwise; every path produces bits
+/// identical to reference/uniform_ref.hpp (tests compare them).
+///
+/// How the SIMD paths stay bit-identical to the scalar formulas: the same IEEE operations in the
+/// same order (x - z, then one fused multiply-add with inv and off; a separate sub and div for
+/// the parameters, never a reciprocal estimate), clamps by min/max (equal to the scalar
+/// compare-and-select for every non-NaN value), round-to-nearest-even conversions (vcvtps2dq in
+/// the default MXCSR mode, as the scalar 2^23 trick; vcvtps2ph with RNE, as float_to_half_bits).
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "kvq/config.hpp"
@@ -15,6 +23,74 @@
 #include "kvq/kernels/cpu/prefetch.hpp"
 
 namespace kvq::kernels {
+
+#if KVQ_HAS_AVX2 && !KVQ_HAS_AVX512
+namespace avx2 {
+/// Lanes of v - v: +0 for finite v, NaN for NaN or +-inf; or-ed together, nonzero bits flag a
+/// non-finite value (two cheap ops per vector).
+inline __m256 nonfinite_acc(__m256 acc, __m256 v) { return _mm256_or_ps(acc, _mm256_sub_ps(v, v)); }
+inline bool any_bits(__m256 v) {
+  const __m256i i = _mm256_castps_si256(v);
+  return !_mm256_testz_si256(i, i);
+}
+/// All ones in the lanes where v is NaN or +-inf.
+inline __m256 nonfinite_mask(__m256 v) {
+  const __m256 ax = _mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
+  return _mm256_cmp_ps(ax, _mm256_castsi256_ps(_mm256_set1_epi32(0x7f800000)), _CMP_NLT_UQ);
+}
+/// Every lane = min (max) over the 8 lanes.
+inline __m256 all_min(__m256 v) {
+  v = _mm256_min_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
+  v = _mm256_min_ps(v, _mm256_permute_ps(v, 0x4E));
+  return _mm256_min_ps(v, _mm256_permute_ps(v, 0xB1));
+}
+inline __m256 all_max(__m256 v) {
+  v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 0x01));
+  v = _mm256_max_ps(v, _mm256_permute_ps(v, 0x4E));
+  return _mm256_max_ps(v, _mm256_permute_ps(v, 0xB1));
+}
+/// All ones in lanes 0 .. n-1 (n in [0, 8]).
+inline __m256i lanes_below(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+/// Codes of 8 values: RNE(clamp(fma(x - z, inv, off), 0, qmax)) as int32 lanes.
+inline __m256i encode8(__m256 x, __m256 z, __m256 inv, __m256 off, __m256 qmax) {
+  const __m256 v = _mm256_fmadd_ps(_mm256_sub_ps(x, z), inv, off);
+  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, _mm256_setzero_ps()), qmax));
+}
+/// 8 codes (int32 lanes in 0..255) -> 8 bytes in the low half of the result.
+inline __m128i bytes8(__m256i c) {
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+  return _mm_packus_epi16(w, w);
+}
+/// 32 codes (four vectors of int32 lanes in 0..255) -> 32 bytes in order.
+inline __m256i bytes32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  // packs/packus work per 128-bit lane: dwords come out as a0-3 b0-3 c0-3 d0-3 a4-7 b4-7 ...
+  const __m256i p = _mm256_packus_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+/// 32 code bytes -> 16 bytes of 4-bit codes, LSB first (code 2k | code 2k+1 << 4).
+inline __m128i nibbles32(__m256i b) {
+  const __m256i t = _mm256_maddubs_epi16(_mm256_and_si256(b, _mm256_set1_epi8(0x0f)),
+                                         _mm256_set1_epi16(0x1001));  // c0 * 1 + c1 * 16
+  return _mm_packus_epi16(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+}
+/// 8 code bytes (low half of b) -> 4 bytes of 4-bit codes.
+inline uint32_t nibbles8(__m128i b) {
+  const __m128i t = _mm_maddubs_epi16(_mm_and_si128(b, _mm_set1_epi8(0x0f)), _mm_set1_epi16(0x1001));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(_mm_packus_epi16(t, t)));
+}
+/// 32 code bytes -> 8 bytes of 2-bit codes in the low 64 bits of 32-bit lane pairs: returns
+/// the 8 int32 lanes (c0 | c1 << 2 | c2 << 4 | c3 << 6), one per 4 codes.
+inline __m256i crumbs32(__m256i b) {
+  const __m256i t = _mm256_maddubs_epi16(_mm256_and_si256(b, _mm256_set1_epi8(0x03)),
+                                         _mm256_set1_epi16(0x0401));    // c0 + 4 c1
+  return _mm256_madd_epi16(t, _mm256_set1_epi32(0x00100001));          // + 16 (c2 + 4 c3)
+}
+inline void store_u32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+}  // namespace avx2
+#endif
+
 
 /// lo = min(lo, x[0..n)), hi = max(hi, x[0..n)). Returns false if any x is NaN or +/-inf.
 inline bool minmax(const float* x, int64_t n, float& lo, float& hi) {
@@ -33,6 +109,19 @@ inline bool minmax(const float* x, int64_t n, float& lo, float& hi) {
     lo = _mm512_reduce_min_ps(vlo);
     hi = _mm512_reduce_max_ps(vhi);
     finite = bad == 0;
+  }
+#elif KVQ_HAS_AVX2
+  if (n >= 8) {
+    __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi), bad = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      bad = avx2::nonfinite_acc(bad, v);
+      vlo = _mm256_min_ps(vlo, v);
+      vhi = _mm256_max_ps(vhi, v);
+    }
+    lo = _mm256_cvtss_f32(avx2::all_min(vlo));
+    hi = _mm256_cvtss_f32(avx2::all_max(vhi));
+    finite = !avx2::any_bits(bad);
   }
 #endif
   for (; i < n; ++i) {
@@ -57,6 +146,15 @@ inline bool minmax_elementwise(const float* x, float* lo, float* hi, int64_t n) 
     _mm512_storeu_ps(hi + i, _mm512_max_ps(_mm512_loadu_ps(hi + i), v));
   }
   finite = bad == 0;
+#elif KVQ_HAS_AVX2
+  __m256 bad = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    bad = avx2::nonfinite_acc(bad, v);
+    _mm256_storeu_ps(lo + i, _mm256_min_ps(_mm256_loadu_ps(lo + i), v));
+    _mm256_storeu_ps(hi + i, _mm256_max_ps(_mm256_loadu_ps(hi + i), v));
+  }
+  finite = !avx2::any_bits(bad);
 #endif
   for (; i < n; ++i) {
     const float v = x[i];
@@ -80,6 +178,20 @@ inline void encode_run(const float* x, int64_t n, float z, float inv, float off,
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i),
                      _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
   }
+#elif KVQ_HAS_AVX2
+  const __m256 vz = _mm256_set1_ps(z), vinv = _mm256_set1_ps(inv), voff = _mm256_set1_ps(off);
+  const __m256 vq = _mm256_set1_ps(qmax);
+  for (; i + 32 <= n; i += 32) {
+    const __m256i c0 = avx2::encode8(_mm256_loadu_ps(x + i), vz, vinv, voff, vq);
+    const __m256i c1 = avx2::encode8(_mm256_loadu_ps(x + i + 8), vz, vinv, voff, vq);
+    const __m256i c2 = avx2::encode8(_mm256_loadu_ps(x + i + 16), vz, vinv, voff, vq);
+    const __m256i c3 = avx2::encode8(_mm256_loadu_ps(x + i + 24), vz, vinv, voff, vq);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), avx2::bytes32(c0, c1, c2, c3));
+  }
+  for (; i + 8 <= n; i += 8) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i),
+                     avx2::bytes8(avx2::encode8(_mm256_loadu_ps(x + i), vz, vinv, voff, vq)));
+  }
 #endif
   for (; i < n; ++i) codes[i] = uniform_encode(x[i], z, inv, off, qmax);
 }
@@ -97,6 +209,19 @@ inline void encode_run_vec(const float* x, const float* z, const float* inv, int
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i),
                      _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
   }
+#elif KVQ_HAS_AVX2
+  const __m256 voff = _mm256_set1_ps(off), vq = _mm256_set1_ps(qmax);
+  auto enc = [&](int64_t k) {
+    return avx2::encode8(_mm256_loadu_ps(x + k), _mm256_loadu_ps(z + k), _mm256_loadu_ps(inv + k),
+                         voff, vq);
+  };
+  for (; i + 32 <= n; i += 32) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i),
+                        avx2::bytes32(enc(i), enc(i + 8), enc(i + 16), enc(i + 24)));
+  }
+  for (; i + 8 <= n; i += 8) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), avx2::bytes8(enc(i)));
+  }
 #endif
   for (; i < n; ++i) codes[i] = uniform_encode(x[i], z[i], inv[i], off, qmax);
 }
@@ -110,6 +235,13 @@ inline void decode_run(const uint8_t* codes, int64_t n, float s, float z, float 
     const __m512 c = _mm512_cvtepi32_ps(
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))));
     _mm512_storeu_ps(out + i, _mm512_fmadd_ps(_mm512_sub_ps(c, voff), vs, vz));
+  }
+#elif KVQ_HAS_AVX2
+  const __m256 vs = _mm256_set1_ps(s), vz = _mm256_set1_ps(z), voff = _mm256_set1_ps(off);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 c = _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i))));
+    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(_mm256_sub_ps(c, voff), vs, vz));
   }
 #endif
   for (; i < n; ++i) out[i] = uniform_decode(codes[i], s, z, off);
@@ -127,9 +259,25 @@ inline void decode_run_vec(const uint8_t* codes, const float* s, const float* z,
     _mm512_storeu_ps(out + i, _mm512_fmadd_ps(_mm512_sub_ps(c, voff), _mm512_loadu_ps(s + i),
                                               _mm512_loadu_ps(z + i)));
   }
+#elif KVQ_HAS_AVX2
+  const __m256 voff = _mm256_set1_ps(off);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 c = _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i))));
+    _mm256_storeu_ps(out + i, _mm256_fmadd_ps(_mm256_sub_ps(c, voff), _mm256_loadu_ps(s + i),
+                                              _mm256_loadu_ps(z + i)));
+  }
 #endif
   for (; i < n; ++i) out[i] = uniform_decode(codes[i], s[i], z[i], off);
 }
+
+/// KVQ_ROW_TOKEN_KERNEL: 1 when quantize_row_token / uniform_params_array are compiled in
+/// (AVX-512, or AVX2 with F16C), 0 otherwise.
+#if KVQ_HAS_AVX512 || (KVQ_HAS_AVX2 && KVQ_HAS_F16C)
+#define KVQ_ROW_TOKEN_KERNEL 1
+#else
+#define KVQ_ROW_TOKEN_KERNEL 0
+#endif
 
 #if KVQ_HAS_AVX512
 /// uniform_params for up to 16 groups at once (lane j = group j, lanes outside m ignored): the
@@ -201,6 +349,8 @@ inline bool uniform_params_array(const float* lo, const float* hi, int64_t n, in
 
 /// Largest number of token-axis groups quantize_row_token handles in one row.
 constexpr int64_t kRowTokenMaxGroups = 16;
+/// Group sizes quantize_row_token handles are multiples of this.
+constexpr int64_t kRowTokenGroupMultiple = 16;
 
 /// Per-token integer groups of one contiguous f32 row, all groups of the row at once:
 /// statistics, parameters (vectorized across the row's groups) and codes. Needs gc % 16 == 0
@@ -271,6 +421,151 @@ inline bool quantize_row_token(const float* row, int64_t D, int64_t gc, int bits
   }
   return true;
 }
+#elif KVQ_HAS_AVX2 && KVQ_HAS_F16C
+/// The AVX2 twin of the AVX-512 uniform_params16: up to 8 groups at once (lane j = group j,
+/// lanes >= n ignored), the same IEEE operations in the same order as uniform_params, fp16
+/// rounding by the same RNE conversion, so bit-identical. Stores the n groups' scales (and zero
+/// points unless symmetric) and returns zero points and inverse scales in z / inv. Returns
+/// false, storing nothing, when a zero point or scale is not finite.
+inline bool uniform_params8(__m256 L, __m256 Hv, int n, int bits, bool symmetric, bool f16meta,
+                            float qmax, uint8_t* meta_scale, uint8_t* meta_zero, __m256& z,
+                            __m256& inv) {
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 m = _mm256_castsi256_ps(avx2::lanes_below(n));
+  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  auto round_meta_v = [&](__m256 v) {
+    return f16meta ? _mm256_cvtph_ps(_mm256_cvtps_ph(v, kRne)) : v;
+  };
+  __m256 sc;
+  z = zero;
+  if (symmetric) {
+    // m = (hi >= -lo) ? hi : lo; scale = round_meta(m / -2^(bits-1)) + 0
+    const __m256 ge = _mm256_cmp_ps(Hv, _mm256_sub_ps(zero, L), _CMP_GE_OQ);
+    const __m256 mv = _mm256_blendv_ps(L, Hv, ge);
+    sc = _mm256_add_ps(
+        round_meta_v(_mm256_div_ps(mv, _mm256_set1_ps(-static_cast<float>(1 << (bits - 1))))),
+        zero);
+  } else {
+    z = round_meta_v(_mm256_add_ps(L, zero));
+    if (_mm256_movemask_ps(_mm256_and_ps(avx2::nonfinite_mask(z), m))) return false;
+    __m256 sv = _mm256_div_ps(_mm256_sub_ps(Hv, z), _mm256_set1_ps(qmax));
+    sv = _mm256_and_ps(sv, _mm256_cmp_ps(sv, zero, _CMP_GT_OQ));  // !(s > 0) -> +0
+    sc = round_meta_v(sv);
+  }
+  if (_mm256_movemask_ps(_mm256_and_ps(avx2::nonfinite_mask(sc), m))) return false;
+  // inv = 1 / sc where sc != 0, else 0; an infinite inverse (subnormal scale) becomes 0. Lanes
+  // with sc == 0 divide by zero (inf, flag only: exceptions are masked) and are then cleared.
+  inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), sc),
+                      _mm256_cmp_ps(sc, zero, _CMP_NEQ_UQ));
+  inv = _mm256_andnot_ps(avx2::nonfinite_mask(inv), inv);
+  auto store = [&](uint8_t* dst, __m256 v) {
+    if (!f16meta) {
+      _mm256_maskstore_ps(reinterpret_cast<float*>(dst), _mm256_castps_si256(m), v);
+      return;
+    }
+    const __m128i h = _mm256_cvtps_ph(v, kRne);
+    switch (n) {
+      case 8: _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h); break;
+      case 4: _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), h); break;
+      default: {
+        alignas(16) uint16_t tmp[8];
+        _mm_store_si128(reinterpret_cast<__m128i*>(tmp), h);
+        std::memcpy(dst, tmp, static_cast<std::size_t>(n) * 2);
+      }
+    }
+  };
+  store(meta_scale, sc);
+  if (!symmetric) store(meta_zero, z);
+  return true;
+}
+
+/// uniform_params for n groups whose minima and maxima are lo[0..n), hi[0..n) (AVX2 twin of
+/// the AVX-512 function of the same name; same bits, same false-on-error contract).
+inline bool uniform_params_array(const float* lo, const float* hi, int64_t n, int bits,
+                                 bool symmetric, bool f16meta, float qmax, uint8_t* meta_scale,
+                                 uint8_t* meta_zero, float* zv, float* iv) {
+  const int64_t mb = f16meta ? 2 : 4;
+  for (int64_t k = 0; k < n; k += 8) {
+    const int cnt = n - k >= 8 ? 8 : static_cast<int>(n - k);
+    const __m256i m = avx2::lanes_below(cnt);
+    __m256 z, inv;
+    if (!uniform_params8(_mm256_maskload_ps(lo + k, m), _mm256_maskload_ps(hi + k, m), cnt, bits,
+                         symmetric, f16meta, qmax, meta_scale + k * mb,
+                         symmetric ? nullptr : meta_zero + k * mb, z, inv))
+      return false;
+    _mm256_maskstore_ps(zv + k, m, z);
+    _mm256_maskstore_ps(iv + k, m, inv);
+  }
+  return true;
+}
+
+/// Largest number of token-axis groups quantize_row_token handles in one row (AVX2: one lane
+/// of a ymm register per group).
+constexpr int64_t kRowTokenMaxGroups = 8;
+/// Group sizes quantize_row_token handles are multiples of this.
+constexpr int64_t kRowTokenGroupMultiple = 8;
+
+/// Per-token integer groups of one contiguous f32 row, all groups of the row at once (AVX2 twin
+/// of the AVX-512 kernel): statistics, parameters (vectorized across the row's groups) and
+/// codes, bit-identical to uniform_params + encode_run per group. Needs gc % 8 == 0 and
+/// D / gc <= 8. Writes metadata like uniform_params8 and one code byte per value to `codes`,
+/// or for 4-bit codes with `packed4` set the packed nibbles (LSB first, as pack_bits). Returns
+/// false, having written nothing, on a non-finite value or a parameter that does not fit the
+/// metadata type: the caller's scalar path then throws the precise error.
+inline bool quantize_row_token(const float* row, int64_t D, int64_t gc, int bits, bool symmetric,
+                               bool f16meta, float off, float qmax, uint8_t* meta_scale,
+                               uint8_t* meta_zero, uint8_t* codes, uint8_t* packed4 = nullptr) {
+  const int ng = static_cast<int>(D / gc);
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  // Group minima/maxima gathered in registers (lane j = group j), no round trip through memory.
+  __m256 L = _mm256_setzero_ps(), Hv = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int j = 0; j < ng; ++j) {
+    const float* g = row + j * gc;
+    __m256 vlo = _mm256_loadu_ps(g), vhi = vlo;
+    bad = avx2::nonfinite_acc(bad, vlo);
+    for (int64_t k = 8; k < gc; k += 8) {
+      const __m256 v = _mm256_loadu_ps(g + k);
+      bad = avx2::nonfinite_acc(bad, v);
+      vlo = _mm256_min_ps(vlo, v);
+      vhi = _mm256_max_ps(vhi, v);
+    }
+    const __m256 lane = _mm256_castsi256_ps(_mm256_cmpeq_epi32(iota, _mm256_set1_epi32(j)));
+    L = _mm256_blendv_ps(L, avx2::all_min(vlo), lane);
+    Hv = _mm256_blendv_ps(Hv, avx2::all_max(vhi), lane);
+  }
+  if (avx2::any_bits(bad)) return false;
+  __m256 z, inv;
+  if (!uniform_params8(L, Hv, ng, bits, symmetric, f16meta, qmax, meta_scale, meta_zero, z, inv))
+    return false;
+  const __m256 voff = _mm256_set1_ps(off), vq = _mm256_set1_ps(qmax);
+  for (int j = 0; j < ng; ++j) {
+    const __m256i lane = _mm256_set1_epi32(j);
+    const __m256 vz = _mm256_permutevar8x32_ps(z, lane), vinv = _mm256_permutevar8x32_ps(inv, lane);
+    auto enc = [&](int64_t i) {
+      return avx2::encode8(_mm256_loadu_ps(row + i), vz, vinv, voff, vq);
+    };
+    int64_t k = 0;
+    for (; k + 32 <= gc; k += 32) {
+      const int64_t i = j * gc + k;
+      const __m256i b = avx2::bytes32(enc(i), enc(i + 8), enc(i + 16), enc(i + 24));
+      if (packed4 != nullptr) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(packed4 + i / 2), avx2::nibbles32(b));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), b);
+      }
+    }
+    for (; k < gc; k += 8) {
+      const int64_t i = j * gc + k;
+      const __m128i b = avx2::bytes8(enc(i));
+      if (packed4 != nullptr) {
+        avx2::store_u32(packed4 + i / 2, avx2::nibbles8(b));
+      } else {
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), b);
+      }
+    }
+  }
+  return true;
+}
 #endif
 
 /// decode_run / decode_run_vec writing fp16 bits (RNE, as store_row's conversion) straight to
@@ -290,6 +585,18 @@ inline void decode_run_f16(const uint8_t* codes, int64_t n, const float* s, cons
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         _mm512_cvtps_ph(_mm512_fmadd_ps(_mm512_sub_ps(c, voff), vs, vz),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+#elif KVQ_HAS_AVX2 && KVQ_HAS_F16C
+  const __m256 voff = _mm256_set1_ps(off);
+  const __m256 vs1 = _mm256_set1_ps(s[0]), vz1 = _mm256_set1_ps(z[0]);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 c = _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i))));
+    const __m256 vs = kVec ? _mm256_loadu_ps(s + i) : vs1;
+    const __m256 vz = kVec ? _mm256_loadu_ps(z + i) : vz1;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_fmadd_ps(_mm256_sub_ps(c, voff), vs, vz),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 #endif
   for (; i < n; ++i)
@@ -328,6 +635,30 @@ inline void pack_codes(const uint8_t* codes, std::size_t n, int bits, uint8_t* o
     if (i < n) pack_bits(codes + i, n - i, bits, out, bit_offset + i * bits);
     return;
   }
+#elif KVQ_HAS_AVX2
+  if (bit_offset % 8 == 0 && (bits == 4 || bits == 2)) {
+    uint8_t* o = out + bit_offset / 8;
+    std::size_t i = 0;
+    if (bits == 4) {
+      for (; i + 32 <= n; i += 32, o += 16) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o), avx2::nibbles32(b));
+      }
+    } else {
+      for (; i + 64 <= n; i += 64, o += 16) {
+        const __m256i a = avx2::crumbs32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)));
+        const __m256i b =
+            avx2::crumbs32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i + 32)));
+        // dwords: a0-3 b0-3 | a4-7 b4-7 (bytes, after the two packs) -> a0-7 b0-7
+        const __m256i w = _mm256_packs_epi32(a, b);
+        const __m256i p = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w, w),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_castsi256_si128(p));
+      }
+    }
+    if (i < n) pack_bits(codes + i, n - i, bits, out, bit_offset + i * bits);
+    return;
+  }
 #endif
   pack_bits(codes, n, bits, out, bit_offset);
 }
@@ -359,6 +690,35 @@ inline void unpack_codes(const uint8_t* in, std::size_t n, int bits, uint8_t* co
                             _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 4), m3), 16));
         w = _mm512_or_si512(w, _mm512_slli_epi32(_mm512_srli_epi32(b, 6), 24));
         _mm512_storeu_si512(codes + i, w);
+      }
+    }
+    if (i < n) unpack_bits(in, n - i, bits, codes + i, bit_offset + i * bits);
+    return;
+  }
+#elif KVQ_HAS_AVX2
+  if (bit_offset % 8 == 0 && (bits == 4 || bits == 2)) {
+    const uint8_t* p = in + bit_offset / 8;
+    std::size_t i = 0;
+    if (bits == 4) {
+      const __m256i m0 = _mm256_set1_epi16(0x0f);
+      for (; i + 32 <= n; i += 32, p += 16) {
+        const __m256i b =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        const __m256i w = _mm256_or_si256(_mm256_and_si256(b, m0),
+                                          _mm256_slli_epi16(_mm256_srli_epi16(b, 4), 8));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), w);
+      }
+    } else {
+      const __m256i m3 = _mm256_set1_epi32(0x3);
+      for (; i + 32 <= n; i += 32, p += 8) {
+        const __m256i b =
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+        __m256i w = _mm256_and_si256(b, m3);
+        w = _mm256_or_si256(w, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 2), m3), 8));
+        w = _mm256_or_si256(w,
+                            _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 4), m3), 16));
+        w = _mm256_or_si256(w, _mm256_slli_epi32(_mm256_srli_epi32(b, 6), 24));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), w);
       }
     }
     if (i < n) unpack_bits(in, n - i, bits, codes + i, bit_offset + i * bits);
