@@ -1,8 +1,9 @@
 // BM_Quantize and BM_DequantizeKVQuant (named apart from issue 2's int dequantize targets)
 // for KVQuant's formats (issue 11): nuq3 (a stand-in codebook of 8 fixed non-uniform levels;
 // speed does not depend on the level values) and int3 with 1% dense-and-sparse outliers, per
-// token (group 32), f32 input, head_dim 128 over the shared 64 MiB input. Bytes processed = f32
-// bytes read (quantize) or written (dequantize).
+// token (group 32), f32 input, head_dim 128 over the shared 64 MiB input; and, to show the
+// other paths are not pathological, int3/out1% per channel (group 32 tokens: the slab path) and
+// nuq3/out1% per token. Bytes processed = f32 bytes read (quantize) or written (dequantize).
 #include <benchmark/benchmark.h>
 
 #include <string>
@@ -68,9 +69,24 @@ void BM_DequantizeOutlierCfg(benchmark::State& state, kvq::QuantConfig cfg) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * s.numel() * 4);
 }
 
+kvq::QuantConfig int3_channel_out1_cfg() {
+  kvq::QuantConfig c = int3_out1_cfg();
+  c.axis = kvq::Axis::kChannel;
+  return c;
+}
+
+kvq::QuantConfig nuq3_out1_cfg() {
+  kvq::QuantConfig c = nuq3_cfg();
+  c.outlier_pct = 1.f;
+  return c;
+}
+
 int register_outliers() {
   const std::pair<const char*, kvq::QuantConfig> cfgs[] = {
-      {"nuq3/token", nuq3_cfg()}, {"int3/token/out1%", int3_out1_cfg()}};
+      {"nuq3/token", nuq3_cfg()},
+      {"int3/token/out1%", int3_out1_cfg()},
+      {"int3/channel/out1%", int3_channel_out1_cfg()},
+      {"nuq3/token/out1%", nuq3_out1_cfg()}};
   for (const auto& [name, cfg] : cfgs) {
     benchmark::RegisterBenchmark((std::string("BM_Quantize/") + name + "/f32").c_str(),
                                  BM_QuantizeOutlierCfg, cfg)

@@ -1,13 +1,17 @@
 // KVQ_TEST_SCALAR_TOO
 // Tests of quant/outlier_quant.hpp (dense-and-sparse) against reference/outlier_ref.hpp:
 // identical bytes for int, fp8 and nuq on every axis, exact outliers, fp16 range errors, the
-// accountant, token-range decodes.
+// accountant, token-range decodes; the row isolation (AVX2 and scalar) against the oracle's
+// split bit for bit (ties, signed zeros, fully selected groups), the fused token-axis path and
+// the slab path for token-spanning axes against the oracle, and the whole-tensor error order.
 #include "kvq/quant/outlier_quant.hpp"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <random>
 #include <vector>
 
 #include "kvq/accounting/accountant.hpp"
@@ -190,6 +194,211 @@ TEST(OutlierQuant, Fp16RangeAndBadConfigsRejected) {
   EXPECT_THROW(kvq::account(lm, s), kvq::Error);
   auto neg = make(kvq::Format::kInt, 3, kvq::Axis::kToken, 32, -1);
   EXPECT_THROW(kvq::account(neg, s), kvq::Error);
+}
+
+
+// Rows that stress the selection: few distinct values (score ties), zeros of both signs as
+// group bounds, constant groups, groups whose every entry is selected.
+std::vector<float> tricky_row(int64_t D, int64_t gc, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<float> r(static_cast<std::size_t>(D));
+  const int mode = static_cast<int>(seed % 4);
+  for (int64_t d = 0; d < D; ++d) {
+    const int u = static_cast<int>(rng() % 7);
+    switch (mode) {
+      case 0: r[d] = static_cast<float>(u) - 3.f; break;  // many ties
+      case 1: r[d] = (u % 2 ? -0.f : 0.f) + (u == 6 ? 2.5f : 0.f) - (u == 5 ? 1.f : 0.f); break;
+      case 2: r[d] = (d / gc) % 2 == 0 ? 1.25f : std::ldexp(static_cast<float>(u) - 3.f, -3); break;
+      default: r[d] = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 37.f; break;
+    }
+  }
+  if (mode == 3) r[static_cast<std::size_t>(rng() % D)] = 300.f;
+  return r;
+}
+
+bool same_bits(const float* a, const float* b, std::size_t n) {
+  return std::memcmp(a, b, n * sizeof(float)) == 0;
+}
+
+TEST(OutlierRow, PathsMatchOracleBitForBit) {
+  int cases = 0;
+  for (int64_t D : {8, 16, 24, 64, 128, 136})
+    for (int64_t gc : {4, 8, 16, 32, 128})
+      for (int64_t k : {1, 2, 3, 8, 9, 16}) {
+        if (D % gc != 0 || k > D) continue;
+        for (uint32_t seed = 0; seed < 8; ++seed) {
+          const std::vector<float> r = tricky_row(D, gc, seed * 31u + static_cast<uint32_t>(D + k));
+          const auto ref = kvq::reference::split_outliers(
+              kvq::Axis::kToken, gc, k, kvq::KVView<const float>(r.data(), {1, 1, D}));
+          const int64_t nc = D / gc;
+          for (int path = 0; path < 2; ++path) {
+            std::vector<float> dense(r.size()), vals(static_cast<std::size_t>(k)), lo(nc), hi(nc);
+            std::vector<int32_t> sel(static_cast<std::size_t>(k));
+            kvq::OutlierScratch sc;
+            const bool ok =
+                path == 0 ? kvq::isolate_row(r.data(), D, gc, k, dense.data(), sel.data(),
+                                             vals.data(), lo.data(), hi.data(), sc)
+                          : kvq::detail::isolate_row_scalar(r.data(), D, gc, k, dense.data(),
+                                                            sel.data(), vals.data(), lo.data(),
+                                                            hi.data(), sc);
+            ASSERT_TRUE(ok);
+            SCOPED_TRACE(::testing::Message() << "D=" << D << " gc=" << gc << " k=" << k
+                                              << " seed=" << seed << " path=" << path);
+            EXPECT_EQ(sel, ref.sel);
+            EXPECT_TRUE(same_bits(vals.data(), ref.vals.data(), vals.size()));
+            EXPECT_TRUE(same_bits(dense.data(), ref.dense.data(), dense.size()));
+            // lo/hi: the dense part's range per group (bit for bit: signed zeros included).
+            for (int64_t b = 0; b < nc; ++b) {
+              float l = INFINITY, h = -INFINITY;
+              for (int64_t d = b * gc; d < (b + 1) * gc; ++d) {
+                bool selected = false;
+                for (int32_t j : ref.sel) selected |= j == d;
+                if (selected) continue;
+                l = std::min(l, r[static_cast<std::size_t>(d)]);
+                h = std::max(h, r[static_cast<std::size_t>(d)]);
+              }
+              if (!(l <= h)) l = h = ref.dense[static_cast<std::size_t>(b * gc)];
+              EXPECT_TRUE(same_bits(&lo[b], &l, 1)) << b << ": " << lo[b] << " vs " << l;
+              EXPECT_TRUE(same_bits(&hi[b], &h, 1)) << b << ": " << hi[b] << " vs " << h;
+            }
+            ++cases;
+          }
+        }
+      }
+  EXPECT_GT(cases, 500);
+  // Non-finite rows are refused by both paths.
+  std::vector<float> bad(64, 1.f), d(64), v(2), lo(2), hi(2);
+  std::vector<int32_t> sel(2);
+  kvq::OutlierScratch sc;
+  bad[40] = INFINITY;
+  EXPECT_FALSE(kvq::isolate_row(bad.data(), 64, 32, 2, d.data(), sel.data(), v.data(), lo.data(),
+                                hi.data(), sc));
+  bad[40] = NAN;
+  EXPECT_FALSE(kvq::detail::isolate_row_scalar(bad.data(), 64, 32, 2, d.data(), sel.data(),
+                                               v.data(), lo.data(), hi.data(), sc));
+}
+
+// The fused token-axis path (every dense format, bits, symmetric/asymmetric, fp16/f32
+// metadata, f32/f16/strided input) and the slab path of token-spanning axes give the oracle's
+// bytes.
+TEST(OutlierQuant, FusedAndSlabPathsMatchOracle) {
+  struct F {
+    kvq::Format f;
+    int bits;
+    bool sym;
+    kvq::MetaDType meta;
+  };
+  const F fmts[] = {{kvq::Format::kInt, 2, false, kvq::MetaDType::kF16},
+                    {kvq::Format::kInt, 3, false, kvq::MetaDType::kF16},
+                    {kvq::Format::kInt, 4, true, kvq::MetaDType::kF16},
+                    {kvq::Format::kInt, 8, false, kvq::MetaDType::kF32},
+                    {kvq::Format::kInt, 3, true, kvq::MetaDType::kF32},
+                    {kvq::Format::kE4M3, 8, false, kvq::MetaDType::kF32},
+                    {kvq::Format::kNuq, 3, false, kvq::MetaDType::kF16},
+                    {kvq::Format::kNuq, 4, false, kvq::MetaDType::kF32}};
+  struct G {
+    kvq::Axis axis;
+    int64_t group;
+    kvq::Shape s;
+    float pct;
+    int out;
+  };
+  const G geos[] = {{kvq::Axis::kToken, 32, {40, 3, 128}, 1.f, 0},
+                    {kvq::Axis::kToken, 16, {24, 2, 64}, 0.f, 3},
+                    {kvq::Axis::kToken, 64, {8, 2, 64}, 0.f, 64},   // every entry an outlier
+                    {kvq::Axis::kToken, 12, {8, 2, 36}, 0.f, 2},    // group not a multiple of 8
+                    {kvq::Axis::kChannel, 32, {640, 2, 64}, 1.f, 0},  // several slabs
+                    {kvq::Axis::kHead, 16, {512, 4, 32}, 0.f, 2},
+                    {kvq::Axis::kChannel, 1, {8200, 1, 5}, 0.f, 1}};  // slab alignment search
+  for (const F& f : fmts)
+    for (const G& g : geos) {
+      kvq::QuantConfig cfg = make(f.f, f.bits, g.axis, g.group, g.out, g.pct);
+      cfg.symmetric = f.sym;
+      cfg.meta = f.meta;
+      if (f.f == kvq::Format::kE4M3 && g.axis == kvq::Axis::kChannel) continue;  // no per-channel fp8
+      SCOPED_TRACE(cfg.name() + " " + g.s.str());
+      std::vector<float> x = kvq_test::kv_data(g.s, 5, true);
+      for (std::size_t i = 0; i < x.size(); i += 29) x[i] = i % 58 ? 0.f : -0.f;
+      for (std::size_t i = 3; i < x.size(); i += 41) x[i] = 1.5f;  // ties
+      const kvq::KVView<const float> xv(x.data(), g.s);
+      const kvq::QTensor ref = kvq::reference::quantize_with_outliers(cfg, xv);
+      auto expect_ref = [&](const kvq::QTensor& q, const char* what) {
+        EXPECT_EQ(q.codes, ref.codes) << what;
+        EXPECT_EQ(q.scales.raw(), ref.scales.raw()) << what;
+        EXPECT_EQ(q.zeros.raw(), ref.zeros.raw()) << what;
+        EXPECT_EQ(q.outlier_values, ref.outlier_values) << what;
+        EXPECT_EQ(q.outlier_pos, ref.outlier_pos) << what;
+      };
+      expect_ref(kvq::quantize(cfg, xv), "f32");
+      // f16 input: the oracle on the same f16 values.
+      std::vector<kvq::f16> xh(x.size());
+      kvq::convert(x.data(), xh.data(), x.size());
+      const kvq::KVView<const kvq::f16> hv(xh.data(), g.s);
+      const kvq::QTensor refh = kvq::reference::quantize_with_outliers(cfg, hv);
+      const kvq::QTensor qh = kvq::quantize(cfg, hv);
+      EXPECT_EQ(qh.codes, refh.codes);
+      EXPECT_EQ(qh.outlier_values, refh.outlier_values);
+      EXPECT_EQ(qh.outlier_pos, refh.outlier_pos);
+      // Strided (HND) input.
+      std::vector<float> hnd(x.size());
+      const int64_t T = g.s.tokens, H = g.s.heads, D = g.s.head_dim;
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t d = 0; d < D; ++d)
+            hnd[static_cast<std::size_t>((h * T + t) * D + d)] =
+                x[static_cast<std::size_t>((t * H + h) * D + d)];
+      const kvq::KVView<const float> sv(hnd.data(), g.s, kvq::Strides{D, T * D, 1});
+      expect_ref(kvq::quantize(cfg, sv), "strided");
+    }
+}
+
+// Errors are those of the whole-tensor order: a NaN anywhere is reported before an fp16 range
+// error in an earlier vector, and a range error before a metadata overflow.
+TEST(OutlierQuant, ErrorOrderOfTheWholeTensorPath) {
+  const kvq::Shape s{16, 2, 64};
+  auto at = [](int64_t t, int64_t h, int64_t d) { return static_cast<std::size_t>((t * 2 + h) * 64 + d); };
+  for (kvq::Axis axis : {kvq::Axis::kToken, kvq::Axis::kChannel}) {
+    SCOPED_TRACE(kvq::to_string(axis));
+    const auto cfg = make(kvq::Format::kInt, 3, axis, axis == kvq::Axis::kToken ? 32 : 16, 1);
+    std::vector<float> x = kvq_test::kv_data(s, 3, false);
+    x[at(0, 0, 5)] = 1e6f;  // vector 0: its outlier, which fp16 cannot store
+    x[at(3, 1, 7)] = NAN;   // a later vector
+    try {
+      kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s));
+      FAIL() << "no throw";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.kind(), kvq::ErrorKind::kNonFinite) << e.what();
+      EXPECT_NE(std::string(e.what()).find("token=3, head=1, channel=7"), std::string::npos)
+          << e.what();
+    }
+    x[at(3, 1, 7)] = 1.f;
+    // A group below fp16's range that is not an outlier: the dense part's zero point overflows
+    // fp16 metadata. Token axis: vector (9, 0) at -70000 except its outlier (-60000, which
+    // fp16 holds); channel axis: channel 30 of head 0 at -70000 in every token (score 0).
+    if (axis == kvq::Axis::kToken) {
+      for (int64_t d = 0; d < 64; ++d) x[at(9, 0, d)] = -70000.f;
+      x[at(9, 0, 20)] = -60000.f;
+    } else {
+      for (int64_t t = 0; t < 16; ++t) x[at(t, 0, 30)] = -70000.f;
+    }
+    try {
+      kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s));
+      FAIL() << "no throw";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
+      EXPECT_NE(std::string(e.what()).find("outlier (token=0, head=0, channel=5)"),
+                std::string::npos)
+          << e.what();
+    }
+    x[at(0, 0, 5)] = 1.f;
+    try {
+      kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s));
+      FAIL() << "no throw";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
+      EXPECT_NE(std::string(e.what()).find("metadata"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

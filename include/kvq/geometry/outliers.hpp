@@ -5,32 +5,44 @@
 ///
 /// Selection. Every entry is scored by its distance from its group's centre in units of the
 /// group's spread, after the normalization the axis uses:
-///   score = |x - mean_g| / sd_g        (0 when sd_g == 0)
+///   score = |x - mean_g| * (1 / sd_g)        (0 when sd_g == 0)
 /// where g is the entry's group box (quant axis + group size: per channel, the G tokens of one
 /// channel; per token, G channels of one vector; per head / tensor, the whole box), mean_g and
 /// sd_g its mean and population standard deviation (two passes, double, in [token, head,
-/// channel] order). Each vector keeps exactly its k highest scores; ties, including all-equal
-/// vectors, go to the lower channel index (the order (score descending, channel ascending) is
-/// total, so the chosen set is unique). Positions are stored ascending.
+/// channel] order: four partial sums per box, channel d feeding partial d % 4, combined as
+/// (p0 + p1) + (p2 + p3); the squares accumulate with an explicit fma, so no compiler
+/// contraction setting changes a bit). The score is rounded to float. Each vector keeps exactly
+/// its k highest scores; ties, including all-equal vectors, go to the lower channel index (the
+/// order (score descending, channel ascending) is total, so the chosen set is unique).
+/// Positions are stored ascending.
 ///
 /// Dense part. The dense ranges are computed without the outliers: every selected entry is
 /// replaced by its value clamped to [min, max] of the non-selected entries of its group box (the
 /// group mean when a box has no non-selected entry), so the dense quantizer's min/max (int,
-/// nuq) and absmax (fp8) are exactly those of the remaining entries.
+/// nuq) and absmax (fp8) are exactly those of the remaining entries. (min, max) are the first
+/// minimal / maximal entries in channel order (std::min / std::max), which fixes the sign of a
+/// zero bound.
+///
+/// Token-axis boxes lie inside one vector, so the token axis is isolated row by row
+/// (isolate_row: an AVX2 path when KVQ_HAS_AVX2 and the group is a multiple of 8 channels, a
+/// portable scalar path otherwise, identical results); quant/outlier_quant.hpp fuses it with
+/// the dense quantizer. reference/outlier_ref.hpp is the scalar oracle.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
 
+#include "kvq/config.hpp"
 #include "kvq/core/error.hpp"
 #include "kvq/core/tensor.hpp"
 #include "kvq/geometry/grouping.hpp"
 
 namespace kvq {
 
-/// Scratch of isolate_outliers (only grows).
+/// Scratch of isolate_outliers / isolate_row (only grows).
 struct OutlierScratch {
   std::vector<double> mean, sd;   // [boxes]
   std::vector<double> part;       // [boxes, 4] partial sums
@@ -46,7 +58,327 @@ typename V::value_type* grow(V& v, std::size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
 }
+
+/// The k best channels of score[0..D) in (score descending, channel ascending) order, written
+/// to out[0..k) ascending. idx: [D] scratch (k > 8 only).
+inline void select_top_k(const float* score, int64_t D, int64_t k, int32_t* out, int32_t* idx) {
+  if (k <= 8) {  // one pass keeping the k best in (score desc, channel asc) order
+    int64_t n = 0;
+    for (int32_t d = 0; d < static_cast<int32_t>(D); ++d) {
+      const float sd_ = score[d];
+      if (n == k && !(sd_ > score[out[k - 1]])) continue;  // ties: the earlier channel stays
+      int64_t j = n < k ? n++ : k - 1;
+      while (j > 0 && sd_ > score[out[j - 1]]) {
+        out[j] = out[j - 1];
+        --j;
+      }
+      out[j] = d;
+    }
+  } else {
+    std::iota(idx, idx + D, 0);
+    std::nth_element(idx, idx + (k - 1), idx + D, [&](int32_t a, int32_t b) {
+      return score[a] > score[b] || (score[a] == score[b] && a < b);
+    });
+    std::copy(idx, idx + k, out);
+  }
+  std::sort(out, out + k);
+}
+
+/// Replacement of a selected entry: clamped to the box's non-selected range [lo, hi], or the
+/// box mean when the box has no non-selected entry (lo > hi). Written as std::min/std::max.
+inline float dense_value(float v, float lo, float hi, double mean) {
+  return lo <= hi ? std::min(std::max(v, lo), hi) : static_cast<float>(mean);
+}
+
+/// Portable scalar isolate_row (see there).
+inline bool isolate_row_scalar(const float* r, int64_t D, int64_t gc, int64_t k, float* dense,
+                               int32_t* sel, float* vals, float* lo, float* hi,
+                               OutlierScratch& sc) {
+  for (int64_t d = 0; d < D; ++d)
+    if (!std::isfinite(r[d])) return false;
+  const int64_t nc = D / gc;
+  double* mean = grow(sc.mean, static_cast<std::size_t>(nc));
+  double* isd = grow(sc.sd, static_cast<std::size_t>(nc));
+  float* score = grow(sc.score, static_cast<std::size_t>(D));
+  int32_t* idx = grow(sc.idx, static_cast<std::size_t>(D));
+  const double inv_n = 1.0 / static_cast<double>(gc);
+  for (int64_t b = 0; b < nc; ++b) {
+    double p[4] = {0.0, 0.0, 0.0, 0.0};
+    for (int64_t d = b * gc; d < (b + 1) * gc; ++d) p[d & 3] += static_cast<double>(r[d]);
+    mean[b] = ((p[0] + p[1]) + (p[2] + p[3])) * inv_n;
+    double q[4] = {0.0, 0.0, 0.0, 0.0};
+    for (int64_t d = b * gc; d < (b + 1) * gc; ++d) {
+      const double dv = static_cast<double>(r[d]) - mean[b];
+      q[d & 3] = std::fma(dv, dv, q[d & 3]);
+    }
+    const double v = std::sqrt(((q[0] + q[1]) + (q[2] + q[3])) * inv_n);
+    isd[b] = v > 0.0 ? 1.0 / v : 0.0;
+    for (int64_t d = b * gc; d < (b + 1) * gc; ++d)
+      score[d] = static_cast<float>(std::fabs(static_cast<double>(r[d]) - mean[b]) * isd[b]);
+  }
+  if (k > 0) select_top_k(score, D, k, sel, idx);
+  for (int64_t j = 0; j < k; ++j) vals[j] = r[sel[j]];
+  if (dense != r) std::memcpy(dense, r, static_cast<std::size_t>(D) * sizeof(float));
+  for (int64_t b = 0, j = 0; b < nc; ++b) {
+    float l = std::numeric_limits<float>::infinity(), h = -l;
+    for (int64_t d = b * gc; d < (b + 1) * gc; ++d) {
+      if (j < k && sel[j] == d) {
+        ++j;
+        continue;
+      }
+      l = std::min(l, dense[d]);
+      h = std::max(h, dense[d]);
+    }
+    lo[b] = l;
+    hi[b] = h;
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t b = sel[j] / gc;
+    dense[sel[j]] = dense_value(vals[j], lo[b], hi[b], mean[b]);
+  }
+  for (int64_t b = 0; b < nc; ++b)
+    if (!(lo[b] <= hi[b])) lo[b] = hi[b] = static_cast<float>(mean[b]);
+  return true;
+}
+
+#if KVQ_HAS_AVX2
+/// Largest k the AVX2 row path selects (one vectorized argmax per outlier).
+inline constexpr int64_t kRowTopKAvx2 = 16;
+
+/// (p0 + p1) + (p2 + p3) of the four lanes.
+inline double combine4(__m256d s) {
+  const __m128d a = _mm_hadd_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
+  return _mm_cvtsd_f64(a) + _mm_cvtsd_f64(_mm_unpackhi_pd(a, a));
+}
+inline __m256 hmax8(__m256 m) {
+  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+inline __m256 hmin8(__m256 m) {
+  m = _mm256_min_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_min_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm256_min_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
+}
+
+/// Per group j of four: (p0 + p1) + (p2 + p3) of s[j]'s lanes, as lane j of the result.
+inline __m256d combine4x4(const __m256d* s) {
+  const __m256d t01 = _mm256_hadd_pd(s[0], s[1]);  // [a01, b01, a23, b23]
+  const __m256d t23 = _mm256_hadd_pd(s[2], s[3]);  // [c01, d01, c23, d23]
+  return _mm256_add_pd(_mm256_permute2f128_pd(t01, t23, 0x20),
+                       _mm256_permute2f128_pd(t01, t23, 0x31));
+}
+inline __m256d lane_pd(__m256d v, int j) {
+  switch (j) {
+    case 0: return _mm256_permute4x64_pd(v, 0x00);
+    case 1: return _mm256_permute4x64_pd(v, 0x55);
+    case 2: return _mm256_permute4x64_pd(v, 0xaa);
+    default: return _mm256_permute4x64_pd(v, 0xff);
+  }
+}
+
+/// AVX2 isolate_row: gc % 8 == 0, 1 <= k <= kRowTopKAvx2. The double statistics run four
+/// lanes wide with lane j holding partial j (channels d = j mod 4), so the sums are the scalar
+/// path's; four groups are summed side by side (independent chains) and their sqrt and
+/// reciprocal taken in one vector. The top k: for K = k <= 4, each lane keeps its K largest
+/// scores in registers while they are computed (a max/min insertion network), which gives the
+/// k-th largest score T and one pass collects the channels above T and the lowest ones at T;
+/// for larger k (K = 0), k vectorized argmax passes (lowest channel among equal scores); the non-selected ranges come from min/max over the row with the
+/// selected lanes blended to +-inf, in the pass that copies the row into dense.
+template <int K>
+inline bool isolate_row_avx2_k(const float* r, int64_t D, int64_t gc, int64_t k, float* dense,
+                               int32_t* sel, float* vals, float* lo, float* hi,
+                               OutlierScratch& sc) {
+  const int64_t nc = D / gc;
+  __m256 top[K > 0 ? K : 1];  // per lane, its K largest scores (descending); -1 = none yet
+  for (auto& t : top) t = _mm256_set1_ps(-1.f);
+  double* mean = grow(sc.mean, static_cast<std::size_t>(nc + 3));
+  float* score = grow(sc.score, static_cast<std::size_t>(D));
+  const __m256d inv_n = _mm256_set1_pd(1.0 / static_cast<double>(gc));
+  const __m256d sign_d = _mm256_set1_pd(-0.0), zero_d = _mm256_setzero_pd();
+  for (int64_t b0 = 0; b0 < nc; b0 += 4) {
+    const float* rb[4];  // groups past the end repeat the last one (results unused)
+    for (int j = 0; j < 4; ++j) rb[j] = r + std::min<int64_t>(b0 + j, nc - 1) * gc;
+    __m256d s[4] = {zero_d, zero_d, zero_d, zero_d};
+    for (int64_t i = 0; i < gc; i += 4)
+      for (int j = 0; j < 4; ++j) s[j] = _mm256_add_pd(s[j], _mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i)));
+    const __m256d m4 = _mm256_mul_pd(combine4x4(s), inv_n);
+    // A NaN or inf element makes its group's sum (hence mean) non-finite, and only then.
+    const __m256d fin = _mm256_cmp_pd(_mm256_andnot_pd(sign_d, m4),
+                                      _mm256_set1_pd(std::numeric_limits<double>::infinity()),
+                                      _CMP_LT_OQ);
+    if (_mm256_movemask_pd(fin) != 0xf) return false;
+    _mm256_storeu_pd(mean + b0, m4);
+    __m256d mj[4], q[4] = {zero_d, zero_d, zero_d, zero_d};
+    for (int j = 0; j < 4; ++j) mj[j] = lane_pd(m4, j);
+    for (int64_t i = 0; i < gc; i += 4)
+      for (int j = 0; j < 4; ++j) {
+        const __m256d dv = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i)), mj[j]);
+        q[j] = _mm256_fmadd_pd(dv, dv, q[j]);
+      }
+    const __m256d sd4 = _mm256_sqrt_pd(_mm256_mul_pd(combine4x4(q), inv_n));
+    const __m256d isd4 = _mm256_and_pd(_mm256_cmp_pd(sd4, zero_d, _CMP_GT_OQ),
+                                       _mm256_div_pd(_mm256_set1_pd(1.0), sd4));
+    const int nb = static_cast<int>(std::min<int64_t>(4, nc - b0));
+    for (int j = 0; j < nb; ++j) {
+      const __m256d ij = lane_pd(isd4, j);
+      float* out = score + (b0 + j) * gc;
+      for (int64_t i = 0; i < gc; i += 8) {
+        const __m256d d0 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i)), mj[j]);
+        const __m256d d1 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i + 4)), mj[j]);
+        const __m256 s8 =
+            _mm256_set_m128(_mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, d1), ij)),
+                            _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, d0), ij)));
+        _mm256_storeu_ps(out + i, s8);
+        if constexpr (K > 0) {
+          __m256 v = s8;
+          for (int t = 0; t < K; ++t) {
+            const __m256 hi_ = _mm256_max_ps(top[t], v);
+            v = _mm256_min_ps(top[t], v);
+            top[t] = hi_;
+          }
+        }
+      }
+    }
+  }
+  const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  if constexpr (K > 0) {
+    // The k-th largest score T of the row is the k-th largest of the lanes' top-k lists; the
+    // selection is every score > T (fewer than k) and then the lowest channels with score == T.
+    // Take the largest value M with its multiplicity c until c covers what is left of k.
+    __m256 tv = _mm256_set1_ps(-1.f);
+    for (int64_t left = k; left > 0;) {
+      __m256 m = top[0];
+      for (int t = 1; t < K; ++t) m = _mm256_max_ps(m, top[t]);
+      tv = hmax8(m);
+      int c = 0;
+      for (int t = 0; t < K; ++t) {
+        const __m256 eq_ = _mm256_cmp_ps(top[t], tv, _CMP_EQ_OQ);
+        c += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(eq_)));
+        top[t] = _mm256_blendv_ps(top[t], _mm256_set1_ps(-2.f), eq_);
+      }
+      left -= c;
+    }
+    int n_gt = 0, n_eq = 0;
+    int32_t eq[K > 0 ? K : 1] = {};
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 v = _mm256_loadu_ps(score + d);
+      unsigned gt = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_GT_OQ)));
+      unsigned e = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_EQ_OQ)));
+      if ((gt | e) == 0) continue;
+      for (; gt != 0; gt &= gt - 1) sel[n_gt++] = static_cast<int32_t>(d) + __builtin_ctz(gt);
+      for (; e != 0 && n_eq < K; e &= e - 1) eq[n_eq++] = static_cast<int32_t>(d) + __builtin_ctz(e);
+    }
+    for (int j = 0; n_gt < k; ++j) {  // merge: sel stays ascending
+      const int32_t at = eq[j];
+      int i = n_gt++;
+      while (i > 0 && sel[i - 1] > at) {
+        sel[i] = sel[i - 1];
+        --i;
+      }
+      sel[i] = at;
+    }
+  } else {
+  // Top k: scores are finite and >= 0, so a taken channel is marked -1.
+  for (int64_t j = 0; j < k; ++j) {
+    __m256 a = _mm256_loadu_ps(score), c = a;
+    int64_t d = 8;
+    for (; d + 8 <= D; d += 16) {
+      a = _mm256_max_ps(a, _mm256_loadu_ps(score + d));
+      if (d + 16 <= D) c = _mm256_max_ps(c, _mm256_loadu_ps(score + d + 8));
+    }
+    const __m256 mx = hmax8(_mm256_max_ps(a, c));
+    int32_t at = 0;
+    for (d = 0; d < D; d += 8) {
+      const int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(score + d), mx, _CMP_EQ_OQ));
+      if (m != 0) {
+        at = static_cast<int32_t>(d) + __builtin_ctz(static_cast<unsigned>(m));
+        break;
+      }
+    }
+    score[at] = -1.f;
+    int64_t i = j;  // insertion: sel stays ascending
+    while (i > 0 && sel[i - 1] > at) {
+      sel[i] = sel[i - 1];
+      --i;
+    }
+    sel[i] = at;
+  }
+  }
+  for (int64_t j = 0; j < k; ++j) vals[j] = r[sel[j]];
+  // One pass: copy into dense, and the range of each group without its selected lanes
+  // (a byte of lane bits per 8 channels, expanded to a lane mask).
+  uint8_t* bits = grow(sc.mark, static_cast<std::size_t>(D / 8));
+  std::fill(bits, bits + D / 8, uint8_t{0});
+  for (int64_t j = 0; j < k; ++j) bits[sel[j] >> 3] |= static_cast<uint8_t>(1u << (sel[j] & 7));
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 ninf8 = _mm256_sub_ps(_mm256_setzero_ps(), inf8);
+  auto selected = [&](int64_t d) { return (bits[d >> 3] >> (d & 7)) & 1; };
+  for (int64_t b = 0; b < nc; ++b) {
+    __m256 l8 = inf8, h8 = ninf8;
+    for (int64_t d = b * gc; d < (b + 1) * gc; d += 8) {
+      const __m256 v = _mm256_loadu_ps(r + d);
+      if (dense != r) _mm256_storeu_ps(dense + d, v);
+      const __m256 m = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+          _mm256_and_si256(_mm256_set1_epi32(bits[d >> 3]), lane_bit), lane_bit));
+      l8 = _mm256_min_ps(l8, _mm256_blendv_ps(v, inf8, m));
+      h8 = _mm256_max_ps(h8, _mm256_blendv_ps(v, ninf8, m));
+    }
+    float l = _mm256_cvtss_f32(hmin8(l8)), h = _mm256_cvtss_f32(hmax8(h8));
+    // A zero bound takes the sign of the first zero in channel order (what std::min/max keep).
+    if (l == 0.f)
+      for (int64_t d = b * gc; d < (b + 1) * gc; ++d)
+        if (!selected(d) && r[d] == 0.f) {
+          l = r[d];
+          break;
+        }
+    if (h == 0.f)
+      for (int64_t d = b * gc; d < (b + 1) * gc; ++d)
+        if (!selected(d) && r[d] == 0.f) {
+          h = r[d];
+          break;
+        }
+    lo[b] = l;
+    hi[b] = h;
+  }
+  for (int64_t j = 0; j < k; ++j) {
+    const int64_t b = sel[j] / gc;
+    dense[sel[j]] = dense_value(vals[j], lo[b], hi[b], mean[b]);
+  }
+  for (int64_t b = 0; b < nc; ++b)
+    if (!(lo[b] <= hi[b])) lo[b] = hi[b] = static_cast<float>(mean[b]);
+  return true;
+}
+
+inline bool isolate_row_avx2(const float* r, int64_t D, int64_t gc, int64_t k, float* dense,
+                             int32_t* sel, float* vals, float* lo, float* hi,
+                             OutlierScratch& sc) {
+  switch (k) {
+    case 1: return isolate_row_avx2_k<1>(r, D, gc, k, dense, sel, vals, lo, hi, sc);
+    case 2: return isolate_row_avx2_k<2>(r, D, gc, k, dense, sel, vals, lo, hi, sc);
+    case 3: return isolate_row_avx2_k<3>(r, D, gc, k, dense, sel, vals, lo, hi, sc);
+    case 4: return isolate_row_avx2_k<4>(r, D, gc, k, dense, sel, vals, lo, hi, sc);
+    default: return isolate_row_avx2_k<0>(r, D, gc, k, dense, sel, vals, lo, hi, sc);
+  }
+}
+#endif
+
 }  // namespace detail
+
+/// Token-axis isolation of one vector r[0..D) whose boxes are the D / gc runs of gc channels
+/// (gc divides D; 0 <= k <= D): sel[0..k) gets the selected channels (ascending), vals their
+/// values, dense[0..D) the dense part (dense may be r), and lo[b], hi[b] the range of the dense
+/// part of box b (its non-selected range, or the box mean twice when every entry of the box is
+/// selected): the dense quantizer's group statistics. Returns false, outputs unspecified, when r
+/// holds NaN or inf. The same selection and dense part as isolate_outliers on a token axis.
+inline bool isolate_row(const float* r, int64_t D, int64_t gc, int64_t k, float* dense,
+                        int32_t* sel, float* vals, float* lo, float* hi, OutlierScratch& sc) {
+#if KVQ_HAS_AVX2
+  if (gc % 8 == 0 && k >= 1 && k <= detail::kRowTopKAvx2)
+    return detail::isolate_row_avx2(r, D, gc, k, dense, sel, vals, lo, hi, sc);
+#endif
+  return detail::isolate_row_scalar(r, D, gc, k, dense, sel, vals, lo, hi, sc);
+}
 
 /// Isolates k outliers per vector of `x` ([s.tokens, s.heads, s.head_dim] contiguous f32,
 /// finite): sel[(t * H + h) * k + j] gets the j-th selected channel (ascending), vals the
@@ -58,6 +390,17 @@ inline void isolate_outliers(const Shape& s, Axis axis, int64_t group, int64_t k
   KVQ_REQUIRE(k >= 0 && k <= D, kInvalidArgument, k, " outliers per vector but head_dim is ", D);
   if (k == 0 || s.numel() == 0) return;
   const GroupBox box = group_box(axis, group, s);
+  if (axis == Axis::kToken) {  // boxes inside one vector: row by row
+    const auto nc = static_cast<std::size_t>(box.nc);
+    float* rl = detail::grow(sc.lo, nc);
+    float* rh = detail::grow(sc.hi, nc);
+    for (int64_t v = 0; v < T * H; ++v)
+      KVQ_REQUIRE(isolate_row(x + v * D, D, box.gc, k, x + v * D, sel + v * k, vals + v * k, rl,
+                              rh, sc),
+                  kNonFinite, "isolate_outliers: vector (token=", v / H, ", head=", v % H,
+                  ") holds a non-finite value");
+    return;
+  }
   const auto nb = static_cast<std::size_t>(box.count());
   double* mean = detail::grow(sc.mean, nb);
   double* sd = detail::grow(sc.sd, nb);
@@ -76,39 +419,33 @@ inline void isolate_outliers(const Shape& s, Axis axis, int64_t group, int64_t k
   auto base_of = [&](int64_t t, int64_t h) { return ((t / box.gt) * box.nh + h / box.gh) * box.nc; };
   const int64_t gc = box.gc;
   const bool per_channel = gc == 1;
-  const bool quads = gc % 4 == 0;
-  // Adds f(r[d], box) over row (t, h) into the partials.
+  // Adds f(acc, r[d], box) over row (t, h) into the partials (f returns the new partial).
   auto accumulate = [&](const float* r, int64_t b0, auto&& f) {
     if (per_channel) {  // one channel per box: only partial d % 4 of box b0 + d is used
-      for (int64_t d = 0; d < D; ++d) p4[4 * (b0 + d) + (d & 3)] += f(r[d], b0 + d);
-    } else if (quads) {
-      for (int64_t c0 = 0, b = b0; c0 < D; c0 += gc, ++b) {
-        double a0 = p4[4 * b], a1 = p4[4 * b + 1], a2 = p4[4 * b + 2], a3 = p4[4 * b + 3];
-        for (int64_t d = c0; d < c0 + gc; d += 4) {
-          a0 += f(r[d], b);
-          a1 += f(r[d + 1], b);
-          a2 += f(r[d + 2], b);
-          a3 += f(r[d + 3], b);
-        }
-        p4[4 * b] = a0, p4[4 * b + 1] = a1, p4[4 * b + 2] = a2, p4[4 * b + 3] = a3;
+      for (int64_t d = 0; d < D; ++d) {
+        double& a = p4[4 * (b0 + d) + (d & 3)];
+        a = f(a, r[d], b0 + d);
       }
     } else {
       for (int64_t c0 = 0, b = b0; c0 < D; c0 += gc, ++b)
-        for (int64_t d = c0; d < c0 + gc; ++d) p4[4 * b + (d & 3)] += f(r[d], b);
+        for (int64_t d = c0; d < c0 + gc; ++d) {
+          double& a = p4[4 * b + (d & 3)];
+          a = f(a, r[d], b);
+        }
     }
   };
   auto combine = [&](std::size_t b) { return (p4[4 * b] + p4[4 * b + 1]) + (p4[4 * b + 2] + p4[4 * b + 3]); };
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H; ++h)
       accumulate(x + (t * H + h) * D, base_of(t, h),
-                 [](float v, int64_t) { return static_cast<double>(v); });
+                 [](double a, float v, int64_t) { return a + static_cast<double>(v); });
   for (std::size_t b = 0; b < nb; ++b) mean[b] = combine(b) * inv_n;
   std::fill(p4, p4 + 4 * nb, 0.0);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H; ++h)
-      accumulate(x + (t * H + h) * D, base_of(t, h), [&](float v, int64_t b) {
+      accumulate(x + (t * H + h) * D, base_of(t, h), [&](double a, float v, int64_t b) {
         const double dv = static_cast<double>(v) - mean[b];
-        return dv * dv;
+        return std::fma(dv, dv, a);
       });
   // sd[] holds 1 / sd (0 for a constant box): score = |x - mean| * (1 / sd).
   for (std::size_t b = 0; b < nb; ++b) {
@@ -123,43 +460,19 @@ inline void isolate_outliers(const Shape& s, Axis axis, int64_t group, int64_t k
     for (int64_t h = 0; h < H; ++h) {
       const float* r = x + (t * H + h) * D;
       const int64_t b0 = base_of(t, h);
-      for (int64_t c0 = 0, b = b0; c0 < D; c0 += gc, b += per_channel ? gc : 1) {
-        for (int64_t d = c0; d < c0 + gc; ++d) {
-          const int64_t bd = per_channel ? b0 + d : b;
-          score[d] = static_cast<float>(std::fabs(static_cast<double>(r[d]) - mean[bd]) * sd[bd]);
-        }
+      for (int64_t d = 0; d < D; ++d) {
+        const int64_t bd = b0 + d / gc;
+        score[d] = static_cast<float>(std::fabs(static_cast<double>(r[d]) - mean[bd]) * sd[bd]);
       }
       int32_t* out = sel + (t * H + h) * k;
-      auto before = [&](int32_t a, int32_t b) {  // (score desc, channel asc)
-        return score[a] > score[b] || (score[a] == score[b] && a < b);
-      };
-      if (k <= 8) {  // one pass keeping the k best in (score desc, channel asc) order
-        int64_t n = 0;
-        for (int32_t d = 0; d < static_cast<int32_t>(D); ++d) {
-          const float sd_ = score[d];
-          if (n == k && !(sd_ > score[out[k - 1]])) continue;  // ties: the earlier channel stays
-          int64_t j = n < k ? n++ : k - 1;
-          while (j > 0 && sd_ > score[out[j - 1]]) {
-            out[j] = out[j - 1];
-            --j;
-          }
-          out[j] = d;
-        }
-      } else {
-        std::iota(idx, idx + D, 0);
-        std::nth_element(idx, idx + (k - 1), idx + D, before);
-        std::copy(idx, idx + k, out);
-      }
-      std::sort(out, out + k);
+      detail::select_top_k(score, D, k, out, idx);
       std::fill(mark, mark + D, uint8_t{0});
       for (int64_t j = 0; j < k; ++j) mark[out[j]] = 1;
-      for (int64_t c0 = 0, bb = b0; c0 < D; c0 += gc, ++bb) {
-        for (int64_t d = c0; d < c0 + gc; ++d) {
-          if (mark[d]) continue;
-          const int64_t b = per_channel ? b0 + d : bb;
-          lo[b] = std::min(lo[b], r[d]);
-          hi[b] = std::max(hi[b], r[d]);
-        }
+      for (int64_t d = 0; d < D; ++d) {
+        if (mark[d]) continue;
+        const int64_t b = b0 + d / gc;
+        lo[b] = std::min(lo[b], r[d]);
+        hi[b] = std::max(hi[b], r[d]);
       }
     }
   // Values out, dense part in.
@@ -171,10 +484,9 @@ inline void isolate_outliers(const Shape& s, Axis axis, int64_t group, int64_t k
       float* v = vals + (t * H + h) * k;
       for (int64_t j = 0; j < k; ++j) {
         const int32_t d = s_[j];
-        const int64_t b = b0 + d / box.gc;
+        const int64_t b = b0 + d / gc;
         v[j] = r[d];
-        r[d] = lo[b] <= hi[b] ? std::min(std::max(r[d], lo[b]), hi[b])
-                              : static_cast<float>(mean[b]);
+        r[d] = detail::dense_value(r[d], lo[b], hi[b], mean[b]);
       }
     }
 }

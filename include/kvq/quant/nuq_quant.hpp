@@ -5,7 +5,8 @@
 /// both rounded to the metadata type) and encodes u = (x - zero) * inv with the layer's learned
 /// codebook (format/nuq.hpp). Same metadata regions as asymmetric int (one scale and one zero
 /// per group box) and the same b-bit bitstream; the codebook itself is per-layer metadata in
-/// the config. reference/nuq_ref.hpp is the scalar oracle (identical bytes).
+/// the config. reference/nuq_ref.hpp is the scalar oracle (identical bytes). Encoding counts the
+/// thresholds <= u, 16 lanes (AVX-512) or 8 (AVX2) at a time, scalar otherwise.
 #include <cmath>
 #include <cstdint>
 
@@ -76,6 +77,20 @@ struct NuqCodec {
         code = _mm512_mask_add_epi32(
             code, _mm512_cmp_ps_mask(u, _mm512_set1_ps(thr[j]), _CMP_GE_OQ), code, one);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(code));
+    }
+#elif KVQ_HAS_AVX2
+    // 8 lanes, the same count: a true compare is -1, so subtracting it adds 1.
+    const int nthr = (1 << bits) - 1;
+    const __m256 zv = _mm256_set1_ps(z), iv = _mm256_set1_ps(inv);
+    for (; i + 8 <= n; i += 8) {
+      const __m256 u = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), zv), iv);
+      __m256i code = _mm256_setzero_si256();
+      for (int j = 0; j < nthr; ++j)
+        code = _mm256_sub_epi32(
+            code, _mm256_castps_si256(_mm256_cmp_ps(u, _mm256_set1_ps(thr[j]), _CMP_GE_OQ)));
+      const __m128i w =
+          _mm_packs_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(c + i), _mm_packus_epi16(w, w));
     }
 #endif
     for (; i < n; ++i) c[i] = codebook_encode(thr, bits, (x[i] - z) * inv);

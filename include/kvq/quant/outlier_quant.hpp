@@ -16,16 +16,30 @@
 ///
 /// An outlier whose magnitude fp16 cannot hold (|x| >= 65520) is rejected (kOutOfRange), as a
 /// raw f16 tensor rejects it. reference/outlier_ref.hpp is the scalar oracle.
+///
+/// Speed. Token-axis groups lie inside one vector, so the token axis runs one fused pass per
+/// vector (quantize_outlier_rows): load, statistics, top-k, dense range, encode and pack while
+/// the row is in L1 (AVX2: geometry/outliers.hpp's isolate_row_avx2, 8-lane int encode with
+/// the codes packed 8 at a time; portable scalar otherwise). Token-spanning axes (channel, head,
+/// tensor with a token group) are isolated and quantized one slab of whole token blocks at a
+/// time (about 128 KiB of input), so the dense quantizer reads the slab from cache. Both give
+/// the bytes of the whole-tensor path; on any error they rerun it, so errors (which element,
+/// which kind first) are the whole-tensor path's too.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
+#include "kvq/config.hpp"
 #include "kvq/core/half.hpp"
 #include "kvq/core/rows.hpp"
 #include "kvq/core/tensor.hpp"
 #include "kvq/geometry/outliers.hpp"
+#include "kvq/kernels/cpu/prefetch.hpp"
 #include "kvq/kernels/cpu/uniform_cpu.hpp"
+#include "kvq/quant/grouped_quant.hpp"
+#include "kvq/quant/nuq_quant.hpp"
 #include "kvq/quant/packed_view.hpp"
 #include "kvq/quant/qtensor.hpp"
 
@@ -44,7 +58,7 @@ inline QuantConfig dense_config(QuantConfig c) {
 inline void store_outliers(const float* vals, const int32_t* sel, int64_t k, int pos_bytes,
                            uint8_t* vdst, uint8_t* pdst) {
   for (int64_t j = 0; j < k; ++j) {
-    const uint16_t hb = float_to_half_bits(vals[j]);
+    const uint16_t hb = float_to_half_bits_fast(vals[j]);
     std::memcpy(vdst + 2 * j, &hb, 2);
     if (pos_bytes == 1) {
       pdst[j] = static_cast<uint8_t>(sel[j]);
@@ -55,28 +69,276 @@ inline void store_outliers(const float* vals, const int32_t* sel, int64_t k, int
   }
 }
 
+[[noreturn]] inline void throw_outlier_range(float val, int32_t channel, int64_t vector, int64_t H) {
+  fail(ErrorKind::kOutOfRange, "quantize: outlier (token=", vector / H, ", head=", vector % H,
+       ", channel=", channel, ") is ", val,
+       ", which fp16 cannot store (it would become inf); outliers are kept as fp16");
+}
+
 /// Throws kOutOfRange naming the first outlier fp16 cannot store.
 inline void check_outlier_range(const float* vals, const int32_t* sel, int64_t vectors, int64_t k,
                                 int64_t H) {
   for (int64_t i = 0; i < vectors * k; ++i)
-    if (!(std::fabs(vals[i]) < 65520.f))
-      fail(ErrorKind::kOutOfRange, "quantize: outlier (token=", (i / k) / H, ", head=", (i / k) % H,
-           ", channel=", sel[i], ") is ", vals[i],
-           ", which fp16 cannot store (it would become inf); outliers are kept as fp16");
+    if (!(std::fabs(vals[i]) < 65520.f)) throw_outlier_range(vals[i], sel[i], i / k, H);
 }
 
-}  // namespace detail
+/// Bits of one code of a dense format (fp8: one byte).
+inline int dense_code_bits(const QuantConfig& c) {
+  return c.format == Format::kE4M3 || c.format == Format::kE5M2 ? 8 : c.bits;
+}
 
-/// Quantizes `x` with k > 0 outliers per vector: selection and dense replacement into ws, then
-/// `dense(dense_cfg, dense_view, span)` (the format's quantizer: quantize.hpp passes its own
-/// dispatch), then the sparse arrays. Throws like the dense quantizer, plus kOutOfRange for an
-/// outlier fp16 cannot hold; the span's contents are then unspecified.
+#if KVQ_HAS_AVX2
+/// 8 codes (byte i of c is code i, < 2^bits) packed LSB-first into the low 8 * bits bits, the
+/// bit order of core/bitpack.hpp.
+inline uint64_t pack8_codes(uint64_t c, int bits) {
+  c = (c & 0x00ff00ff00ff00ffull) | (((c >> 8) & 0x00ff00ff00ff00ffull) << bits);
+  c = (c & 0x0000ffff0000ffffull) | (((c >> 16) & 0x0000ffff0000ffffull) << (2 * bits));
+  return (c & 0xffffffffull) | ((c >> 32) << (4 * bits));
+}
+
+/// Appends chunks of w = 8 * bits bits to a byte stream as little-endian 64-bit words (x86).
+struct ChunkWriter {
+  uint8_t* out;
+  int w;
+  uint64_t acc = 0;
+  int n = 0;  // bits pending in acc
+  void put(uint64_t p) {
+    acc |= p << n;
+    n += w;
+    if (n >= 64) {
+      std::memcpy(out, &acc, 8);
+      out += 8;
+      n -= 64;
+      acc = n > 0 ? p >> (w - n) : 0;
+    }
+  }
+  void flush() { std::memcpy(out, &acc, static_cast<std::size_t>(n / 8)); }  // n % 8 == 0
+};
+
+/// Writes the D codes of one row (D % 8 == 0), B bits each, to out: codes8(i) returns codes
+/// i .. i + 7 as the bytes of a word. 64 codes at a time make B whole words (constant shifts).
+template <int B, class Codes8>
+inline void write_row_codes(int64_t D, uint8_t* out, Codes8&& codes8) {
+  int64_t i = 0;
+  for (; i + 64 <= D; i += 64, out += 8 * B) {
+    uint64_t w[B] = {};
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const uint64_t p = pack8_codes(codes8(i + 8 * c), B);
+      const int bit = c * 8 * B, word = bit / 64, sh = bit % 64;
+      w[word] |= p << sh;
+      if (sh + 8 * B > 64) w[word + 1] |= p >> (64 - sh);
+    }
+    std::memcpy(out, w, 8 * B);
+  }
+  if (i < D) {
+    ChunkWriter cw{out, 8 * B};
+    for (; i < D; i += 8) cw.put(pack8_codes(codes8(i), B));
+    cw.flush();
+  }
+}
+template <class Codes8>
+inline void write_row_codes(int bits, int64_t D, uint8_t* out, Codes8&& codes8) {
+  switch (bits) {
+    case 2: return write_row_codes<2>(D, out, codes8);
+    case 3: return write_row_codes<3>(D, out, codes8);
+    case 4: return write_row_codes<4>(D, out, codes8);
+    default: return write_row_codes<8>(D, out, codes8);
+  }
+}
+
+/// The uniform codes of x[0..8) as 8 bytes: RNE(clamp(fma(x - z, inv, off), 0, qmax)), the bits
+/// of uniform_encode.
+inline uint64_t int_codes8(const float* x, __m256 z, __m256 inv, __m256 off, __m256 qmax) {
+  __m256 v = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_loadu_ps(x), z), inv, off);
+  v = _mm256_min_ps(_mm256_max_ps(v, _mm256_setzero_ps()), qmax);
+  const __m256i c = _mm256_cvtps_epi32(v);  // round to nearest even (default MXCSR)
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+  return static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(w, w)));
+}
+
+#if KVQ_HAS_F16C
+/// uniform_params of n <= 8 groups at once (lane b = group b), bit for bit: zero, scale and
+/// inv into z, s, inv (8 floats each are written; lanes >= n are junk). False when a lane's zero or scale is not finite in the metadata type
+/// (the scalar uniform_params then throws, naming the group).
+inline bool int_params8(const IntCodec& c, const float* lo, const float* hi, int n, float* z,
+                        float* s, float* inv) {
+  const __m256i lanes =
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256 L = _mm256_maskload_ps(lo, lanes), Hv = _mm256_maskload_ps(hi, lanes);
+  const __m256 zero = _mm256_setzero_ps();
+  const bool f16 = c.meta == MetaDType::kF16;
+  auto round_meta8 = [f16](__m256 v) {
+    return f16 ? _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
+               : v;
+  };
+  __m256 Z, S;
+  if (c.symmetric) {
+    const __m256 neg_lo = _mm256_xor_ps(L, _mm256_set1_ps(-0.f));
+    const __m256 m = _mm256_blendv_ps(L, Hv, _mm256_cmp_ps(Hv, neg_lo, _CMP_GE_OQ));
+    S = _mm256_add_ps(
+        round_meta8(_mm256_div_ps(m, _mm256_set1_ps(-static_cast<float>(1 << (c.bits - 1))))),
+        zero);
+    Z = zero;
+  } else {
+    Z = round_meta8(_mm256_add_ps(L, zero));
+    __m256 sv = _mm256_div_ps(_mm256_sub_ps(Hv, Z), _mm256_set1_ps(static_cast<float>((1 << c.bits) - 1)));
+    sv = _mm256_and_ps(_mm256_cmp_ps(sv, zero, _CMP_GT_OQ), sv);
+    S = round_meta8(sv);
+  }
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 inf8 = _mm256_set1_ps(INFINITY);
+  const __m256 ok = _mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(Z, abs_mask), inf8, _CMP_LT_OQ),
+                                  _mm256_cmp_ps(_mm256_and_ps(S, abs_mask), inf8, _CMP_LT_OQ));
+  if ((_mm256_movemask_ps(ok) & ((1 << n) - 1)) != (1 << n) - 1) return false;
+  __m256 I = _mm256_and_ps(_mm256_cmp_ps(S, zero, _CMP_NEQ_OQ),
+                           _mm256_div_ps(_mm256_set1_ps(1.f), S));
+  I = _mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(I, abs_mask), inf8, _CMP_LT_OQ), I);
+  _mm256_storeu_ps(z, Z);  // all 8 lanes (the caller's arrays hold 8)
+  _mm256_storeu_ps(s, S);
+  _mm256_storeu_ps(inv, I);
+  return true;
+}
+#endif
+#endif
+
+/// The fused token-axis path (see the file comment): every vector of x is isolated
+/// (isolate_row), checked, encoded with `codec` (bits-wide codes) and written to q. Two vectors
+/// are in flight at a time (isolation of both, then parameters of both, then encoding of both)
+/// so the latency chains of one (sums, sqrt, divisions) overlap the other's. Errors are thrown
+/// as found (quantize_with_outliers reruns the whole-tensor path to report them in its order).
+template <class Codec, class T>
+void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits, int64_t k,
+                           const KVView<const T>& x, const PackedSpan& q, QuantWorkspace& ws) {
+  const Shape s = x.shape();
+  const int64_t n = s.numel();
+  if (n == 0) return;
+  const GroupBox box = group_box(Axis::kToken, cfg.group, s);
+  const int64_t H = s.heads, D = s.head_dim, gc = box.gc, nc = box.nc, V = s.tokens * H;
+  q.codes[packed_bytes(static_cast<std::size_t>(n), bits) - 1] = 0;  // unused trailing bits
+  constexpr int R = 2;  // vectors in flight
+  const int64_t np = std::max<int64_t>(nc, 8);  // per-group arrays hold 8 lanes at least
+  const auto uD = static_cast<std::size_t>(D), unp = static_cast<std::size_t>(np);
+  float* buf = QuantWorkspace::at_least(ws.buf, R * uD);
+  float* dense = QuantWorkspace::at_least(ws.dense, R * uD);
+  uint8_t* codes = QuantWorkspace::at_least(ws.codes, R * uD);
+  float* lo = QuantWorkspace::at_least(ws.lo, R * unp);
+  float* hi = QuantWorkspace::at_least(ws.hi, R * unp);
+  int32_t* sel = QuantWorkspace::at_least(ws.sel, static_cast<std::size_t>(R * k));
+  float* vals = QuantWorkspace::at_least(ws.ovals, static_cast<std::size_t>(R * k));
+  // Per group zero / inv (and scale), then per 8-code chunk zero / inv.
+  float* pz = QuantWorkspace::at_least(ws.zv, R * (unp + uD / 8));
+  float* pi = QuantWorkspace::at_least(ws.iv, R * (unp + uD / 8));
+  float* ps = QuantWorkspace::at_least(ws.u, R * unp);
+  const MetaDType meta = cfg.meta;
+  const int pb = outlier_pos_bytes(D);
+  const std::size_t row_bytes = uD * sizeof(T);
+  [[maybe_unused]] const bool chunked = gc % 8 == 0;  // D % 8 == 0: rows start on a byte
+  int64_t t_next = 0, h_next = 0;
+  for (int64_t v0 = 0; v0 < V; v0 += R) {
+    const int nr = static_cast<int>(std::min<int64_t>(R, V - v0));
+    for (int i = 0; i < nr; ++i) {
+      const int64_t t = t_next, h = h_next, v = v0 + i;
+      if (++h_next == H) h_next = 0, ++t_next;
+      if (x.dim_contiguous()) kernels::prefetch_ahead(x.row(t, h), row_bytes);
+      const float* r = load_row(x, t, h, buf + i * uD);
+      int32_t* sl = sel + i * k;
+      float* vl = vals + i * k;
+      if (!isolate_row(r, D, gc, k, dense + i * uD, sl, vl, lo + i * unp, hi + i * unp,
+                       ws.outlier))
+        throw_non_finite_row(x, t, h, "quantize");
+      for (int64_t j = 0; j < k; ++j)
+        if (!(std::fabs(vl[j]) < 65520.f)) throw_outlier_range(vl[j], sl[j], v, H);
+    }
+    for (int i = 0; i < nr; ++i) {  // group parameters, metadata
+      const int64_t v = v0 + i;
+      const float* l = lo + i * unp;
+      const float* u = hi + i * unp;
+      float* zg = pz + i * (unp + uD / 8);
+      float* ig = pi + i * (unp + uD / 8);
+      [[maybe_unused]] float* sg = ps + i * unp;
+      const auto g0 = static_cast<std::size_t>(v * nc);
+      bool done = false;
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+      if constexpr (std::is_same_v<Codec, IntCodec>) {
+        if (nc <= 8 && int_params8(codec, l, u, static_cast<int>(nc), zg, sg, ig)) {
+          done = true;
+          if (meta == MetaDType::kF16) {
+            uint16_t hs[8], hz[8];
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(hs),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(sg), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(hz),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(zg), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            std::memcpy(q.scales + 2 * g0, hs, static_cast<std::size_t>(2 * nc));
+            if (codec.has_zero()) std::memcpy(q.zeros + 2 * g0, hz, static_cast<std::size_t>(2 * nc));
+          } else {
+            std::memcpy(q.scales + 4 * g0, sg, static_cast<std::size_t>(4 * nc));
+            if (codec.has_zero()) std::memcpy(q.zeros + 4 * g0, zg, static_cast<std::size_t>(4 * nc));
+          }
+        }
+      }
+#endif
+      if (!done)
+        for (int64_t b = 0; b < nc; ++b) {
+          const auto g = g0 + static_cast<std::size_t>(b);
+          const UniformParams p = codec.params(l[b], u[b], static_cast<int64_t>(g));
+          store_meta(q.scales, meta, g, p.scale);
+          if (codec.has_zero()) store_meta(q.zeros, meta, g, p.zero);
+          zg[b] = p.zero;
+          ig[b] = p.inv;
+        }
+    }
+    for (int i = 0; i < nr; ++i) {  // codes
+      const int64_t v = v0 + i;
+      const float* dn = dense + i * uD;
+      const float* zg = pz + i * (unp + uD / 8);
+      const float* ig = pi + i * (unp + uD / 8);
+      uint8_t* cd = codes + i * uD;
+#if KVQ_HAS_AVX2
+      if (chunked) {
+        uint8_t* out = q.codes + static_cast<std::size_t>(v * D) * static_cast<std::size_t>(bits) / 8;
+        if constexpr (std::is_same_v<Codec, IntCodec>) {
+          float* cz = pz + i * (unp + uD / 8) + unp;
+          float* ci = pi + i * (unp + uD / 8) + unp;
+          for (int64_t b = 0, c = 0; b < nc; ++b)
+            for (int64_t e = 0; e < gc; e += 8, ++c) {
+              cz[c] = zg[b];
+              ci[c] = ig[b];
+            }
+          const __m256 off = _mm256_set1_ps(codec.lv.off), qmax = _mm256_set1_ps(codec.lv.qmax);
+          write_row_codes(bits, D, out, [&](int64_t e) {
+            return int_codes8(dn + e, _mm256_broadcast_ss(cz + e / 8),
+                              _mm256_broadcast_ss(ci + e / 8), off, qmax);
+          });
+        } else {
+          for (int64_t b = 0; b < nc; ++b) codec.encode(dn + b * gc, gc, zg[b], ig[b], cd + b * gc);
+          write_row_codes(bits, D, out, [&](int64_t e) {
+            uint64_t c8;
+            std::memcpy(&c8, cd + e, 8);
+            return c8;
+          });
+        }
+        continue;
+      }
+#endif
+      for (int64_t b = 0; b < nc; ++b) codec.encode(dn + b * gc, gc, zg[b], ig[b], cd + b * gc);
+      kernels::pack_codes(cd, uD, bits, q.codes, static_cast<std::size_t>(v * D) * static_cast<std::size_t>(bits));
+    }
+    for (int i = 0; i < nr; ++i) {
+      const int64_t v = v0 + i;
+      store_outliers(vals + i * k, sel + i * k, k, pb, q.outlier_values + 2 * v * k,
+                     q.outlier_pos + pb * v * k);
+    }
+  }
+}
+
+/// The whole-tensor path: every row into ws.dense, isolate_outliers over the tensor, the
+/// outlier range check, the dense quantizer over the tensor, the sparse arrays.
 template <class T, class Dense>
-void quantize_with_outliers(const QuantConfig& cfg, const KVView<const T>& x, const PackedSpan& q,
-                            QuantWorkspace& ws, Dense&& dense) {
+void quantize_outliers_whole(const QuantConfig& cfg, int64_t k, const KVView<const T>& x,
+                             const PackedSpan& q, QuantWorkspace& ws, Dense& dense) {
   const Shape s = x.shape();
   const int64_t T_ = s.tokens, H = s.heads, D = s.head_dim;
-  const int64_t k = outlier_count(cfg, D);
   const auto n = static_cast<std::size_t>(s.numel());
   float* buf = QuantWorkspace::at_least(ws.dense, n);
   const std::size_t nk = static_cast<std::size_t>(T_ * H * k);
@@ -85,20 +347,88 @@ void quantize_with_outliers(const QuantConfig& cfg, const KVView<const T>& x, co
   for (int64_t t = 0; t < T_; ++t)
     for (int64_t h = 0; h < H; ++h) {
       float* dst = buf + (t * H + h) * D;
-      const float* r = detail::load_row(x, t, h, dst);
+      const float* r = load_row(x, t, h, dst);
       if (r != dst) std::memcpy(dst, r, static_cast<std::size_t>(D) * sizeof(float));
       float lo = INFINITY, hi = -INFINITY;
-      if (!kernels::minmax(dst, D, lo, hi)) detail::throw_non_finite_row(x, t, h, "quantize");
+      if (!kernels::minmax(dst, D, lo, hi)) throw_non_finite_row(x, t, h, "quantize");
     }
   isolate_outliers(s, cfg.axis, cfg.group, k, buf, sel, vals, ws.outlier);
-  detail::check_outlier_range(vals, sel, T_ * H, k, H);
+  check_outlier_range(vals, sel, T_ * H, k, H);
   PackedSpan dq = q;
-  dq.config = detail::dense_config(cfg);
+  dq.config = dense_config(cfg);
   dense(dq.config, KVView<const float>(buf, s), dq);
   const int pb = outlier_pos_bytes(D);
   for (int64_t v = 0; v < T_ * H; ++v)
-    detail::store_outliers(vals + v * k, sel + v * k, k, pb, q.outlier_values + 2 * v * k,
-                           q.outlier_pos + pb * v * k);
+    store_outliers(vals + v * k, sel + v * k, k, pb, q.outlier_values + 2 * v * k,
+                   q.outlier_pos + pb * v * k);
+}
+
+/// Token-spanning axes: the whole-tensor path over slabs of whole token blocks (about 128 KiB
+/// of f32 each), each written to its part of q (codes, scales, zeros and sparse arrays of a
+/// slab are contiguous in box order). False (nothing written) when one slab would be the
+/// whole tensor or a slab would not start on a code byte.
+template <class T, class Dense>
+bool quantize_outliers_slabs(const QuantConfig& cfg, int64_t k, const KVView<const T>& x,
+                             const PackedSpan& q, QuantWorkspace& ws, Dense& dense) {
+  const Shape s = x.shape();
+  const GroupBox box = group_box(cfg.axis, cfg.group, s);
+  const int64_t H = s.heads, D = s.head_dim, per_token = H * D;
+  if (per_token == 0 || box.gt >= s.tokens) return false;
+  const int bits = dense_code_bits(cfg);
+  constexpr int64_t kSlabFloats = 32 << 10;
+  int64_t blocks = std::max<int64_t>(1, kSlabFloats / (box.gt * per_token));
+  while (blocks * box.gt < s.tokens && (blocks * box.gt * per_token * bits) % 8 != 0) ++blocks;
+  const int64_t st = blocks * box.gt;  // tokens per slab
+  if (st >= s.tokens) return false;
+  const int64_t groups_per_block = box.nh * box.nc;
+  const auto msz = static_cast<std::size_t>(meta_size(cfg.meta));
+  const int pb = outlier_pos_bytes(D);
+  for (int64_t t0 = 0; t0 < s.tokens; t0 += st) {
+    const int64_t nt = std::min(st, s.tokens - t0);
+    PackedSpan sq = q;
+    sq.shape = Shape{nt, H, D};
+    sq.codes = q.codes + static_cast<std::size_t>(t0 * per_token * bits / 8);
+    const auto g0 = static_cast<std::size_t>((t0 / box.gt) * groups_per_block);
+    sq.scales = q.scales + g0 * msz;
+    if (q.zeros != nullptr) sq.zeros = q.zeros + g0 * msz;
+    sq.outlier_values = q.outlier_values + 2 * t0 * H * k;
+    sq.outlier_pos = q.outlier_pos + pb * t0 * H * k;
+    quantize_outliers_whole(cfg, k, x.slice_tokens(t0, nt), sq, ws, dense);
+  }
+  return true;
+}
+
+}  // namespace detail
+
+/// Quantizes `x` with k > 0 outliers per vector: selection and dense replacement, the dense
+/// format's quantizer (`dense(dense_cfg, dense_view, span)`: quantize.hpp passes its own
+/// dispatch; the fused token-axis path uses the format's codec directly), then the sparse
+/// arrays. Throws like the dense quantizer, plus kOutOfRange for an outlier fp16 cannot hold;
+/// the span's contents are then unspecified.
+template <class T, class Dense>
+void quantize_with_outliers(const QuantConfig& cfg, const KVView<const T>& x, const PackedSpan& q,
+                            QuantWorkspace& ws, Dense&& dense) {
+  const int64_t k = outlier_count(cfg, x.head_dim());
+  try {
+    if (cfg.axis == Axis::kToken) {
+      switch (cfg.format) {
+        case Format::kInt:
+          return detail::quantize_outlier_rows(cfg, detail::IntCodec(cfg), cfg.bits, k, x, q, ws);
+        case Format::kE4M3:
+        case Format::kE5M2:
+          return detail::quantize_outlier_rows(cfg, detail::Fp8Codec(cfg), 8, k, x, q, ws);
+        case Format::kNuq:
+          return detail::quantize_outlier_rows(cfg, detail::NuqCodec(cfg), cfg.bits, k, x, q, ws);
+        default: break;
+      }
+    } else if (detail::quantize_outliers_slabs(cfg, k, x, q, ws, dense)) {
+      return;
+    }
+  } catch (const Error&) {
+    // Bad input: the whole-tensor path below reports it (the first non-finite element before
+    // any fp16 range error before any metadata overflow), or, should it succeed, its bytes stand.
+  }
+  detail::quantize_outliers_whole(cfg, k, x, q, ws, dense);
 }
 
 /// Writes the exact outliers of tokens [t0, t0 + out.tokens()) of `q` over `out` (which holds

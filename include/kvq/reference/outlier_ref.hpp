@@ -1,7 +1,8 @@
 #pragma once
 /// \file outlier_ref.hpp
 /// Scalar reference oracle of dense-and-sparse quantization (quant/outlier_quant.hpp,
-/// geometry/outliers.hpp): group statistics by element loops over the logical index, the
+/// geometry/outliers.hpp): group statistics by element loops over the logical index (sums of
+/// squares with an explicit fma, as the fast paths), the
 /// selection by sorting every channel of a vector by (score descending, channel ascending), the
 /// dense part quantized by the format's own reference oracle (uniform_ref, fp8_quant_ref,
 /// nuq_ref), the sparse arrays written byte by byte.
@@ -60,8 +61,8 @@ OutlierSplit split_outliers(Axis axis, int64_t group, int64_t k, const KVView<co
     for (int64_t h = 0; h < s.heads; ++h)
       for (int64_t d = 0; d < s.head_dim; ++d) {
         const double dv = static_cast<double>(at(t, h, d)) - mean[box.index(t, h, d)];
-        part[4 * static_cast<std::size_t>(box.index(t, h, d)) + static_cast<std::size_t>(d % 4)] +=
-            dv * dv;
+        double& p = part[4 * static_cast<std::size_t>(box.index(t, h, d)) + static_cast<std::size_t>(d % 4)];
+        p = std::fma(dv, dv, p);  // explicit: no contraction setting changes the bits
       }
   // Inverse spread (0 for a constant box), as the fast path: score = |x - mean| * (1 / sd).
   for (std::size_t b = 0; b < nb; ++b) {
