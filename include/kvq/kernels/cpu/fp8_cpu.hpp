@@ -433,7 +433,7 @@ inline void fp8_encode_span(const Src* src, uint8_t* dst, std::size_t n, float i
                             bool saturate) {
 #if KVQ_FP8_SIMD_ENCODE_F32
   constexpr bool kSimd = sizeof(Src) == 4 || KVQ_FP8_SIMD_ENCODE_F16;
-  if (kSimd) {
+  if constexpr (kSimd) {
     // x * 1.0f == x for every non-signalling input, and every NaN encodes alike: skip the mul.
     if (inv_scale == 1.f) {
       fp8_encode_simd<F, false>(src, dst, n, inv_scale, saturate);
