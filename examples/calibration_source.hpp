@@ -4,9 +4,20 @@
 // (.safetensors file or .npy directory, io/kv_dump.hpp), or, for tools that run a model, a text
 // file whose lines the model is run over (the evaluation protocol's lines) to record keys
 // (pre-RoPE when the cache quantizes them so), values and queries.
+//
+// The three tools share the flags through CalibrationArgs (parsing, usage text) and
+// calibrate_policy / check_calibration_files (which source serves which policy): --calibrate may
+// be given several times; a policy that needs nuq codebooks takes the first calibration file
+// whose codebooks fit its normalization, else the first KV dump or text among the paths. A
+// calibration file that does not parse, or that fits none of the tool's policies, is an error
+// (exit 1), as is a nuq policy that no path calibrates.
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -138,6 +149,135 @@ inline void save_calibration_for(const std::string& file, std::size_t index, std
   }
   kvq::save_calibration(out, p, n_layers, source);
   std::fprintf(stderr, "calibration written to %s\n", out.c_str());
+}
+
+/// --calibrate PATH (repeatable) and --save-calibration FILE.
+struct CalibrationArgs {
+  std::vector<std::string> paths;
+  std::string save;
+
+  /// Consumes argv[i] (and its value) when it is one of the two flags; a missing value is a
+  /// usage error (exit 2).
+  bool parse(const char* tool, int argc, char** argv, int& i) {
+    const std::string a = argv[i];
+    if (a != "--calibrate" && a != "--save-calibration") return false;
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "%s: %s needs a value\n", tool, a.c_str());
+      std::exit(2);
+    }
+    (a == "--calibrate" ? paths.emplace_back() : save) = argv[++i];
+    return true;
+  }
+  /// Usage lines of the two flags; `text_ok`: the tool runs a model (PATH may be a text).
+  static std::string usage(bool text_ok) {
+    return std::string(
+               "--calibrate PATH: nuq codebooks from PATH: a calibration file (JSON, from\n"
+               "  --save-calibration), a KV dump") +
+           (text_ok ? ", or a text file the model is run over (keys, values, queries\n"
+                      "  recorded)"
+                    : "") +
+           "; use other data than the evaluation's (no leak). May be given\n"
+           "  several times: each nuq policy takes the first calibration file made for its\n"
+           "  normalization, else the first dump or text\n"
+           "--save-calibration FILE: write what was learned (FILE.<i>.json for several\n"
+           "  calibrated policies, i counting them in order)\n";
+  }
+};
+
+/// Calibration files read so far (by path) and which of them served a policy.
+struct CalibrationFiles {
+  std::map<std::string, kvq::CalibrationFile> loaded;
+  std::set<std::string> used;
+  std::map<std::string, std::string> specs;  // path -> the spec it was made for
+  std::map<std::string, std::string> why;    // path -> why it did not fit (first policy tried)
+};
+
+/// `p` calibrated from args.paths (see the file comment), or nullopt when the paths are all
+/// calibration files and none fits `p` (`why` then lists each file's mismatch). `run_text` runs
+/// the tool's model over a text (a no-op for tools without one: then `geo` is null and a text
+/// is an error). `what` gets the source. Throws kInvalidArgument naming the layer when there is
+/// no path at all, kParse for a calibration file that does not parse.
+template <class RunText>
+std::optional<kvq::Policy> try_calibrate_policy(const kvq::Policy& p, const CalibrationArgs& args,
+                                                int n_layers, const kvq::eval::KVGeometry* geo,
+                                                bool prerope, RunText&& run_text,
+                                                CalibrationFiles& files, std::string* what,
+                                                std::string* why = nullptr) {
+  if (args.paths.empty()) kvq::check_calibrated(p, n_layers);  // throws, naming the layer
+  for (const std::string& path : args.paths) {
+    if (!is_calibration_file(path))
+      return calibrate_from(p, path, n_layers, geo, prerope, run_text, what);
+    auto it = files.loaded.find(path);
+    if (it == files.loaded.end()) {
+      it = files.loaded.emplace(path, kvq::load_calibration(path)).first;
+      files.specs[path] = it->second.policy.spec();
+    }
+    try {
+      kvq::Policy out = kvq::apply_calibration(p, it->second, n_layers);
+      files.used.insert(path);
+      if (what) *what = "calibration file " + path;
+      return out;
+    } catch (const kvq::Error& e) {
+      if (e.kind() != kvq::ErrorKind::kInvalidArgument) throw;
+      files.why.emplace(path, e.what());
+      if (why) *why += "\n  " + path + ": " + e.what();
+    }
+  }
+  return std::nullopt;
+}
+
+/// try_calibrate_policy, with "no calibration file fits" an error (kInvalidArgument naming the
+/// policy and each file's mismatch).
+template <class RunText>
+kvq::Policy calibrate_policy(const kvq::Policy& p, const CalibrationArgs& args, int n_layers,
+                             const kvq::eval::KVGeometry* geo, bool prerope, RunText&& run_text,
+                             CalibrationFiles& files, std::string* what) {
+  std::string why;
+  std::optional<kvq::Policy> out =
+      try_calibrate_policy(p, args, n_layers, geo, prerope, run_text, files, what, &why);
+  if (!out)
+    kvq::fail(kvq::ErrorKind::kInvalidArgument, p.spec(),
+              " needs nuq codebooks, and no --calibrate file holds them:", why);
+  return *out;
+}
+
+/// Throws kInvalidArgument when a calibration file given to --calibrate served no policy.
+inline void check_calibration_files(const CalibrationArgs& args, const CalibrationFiles& files) {
+  for (const auto& [path, file] : files.loaded)
+    KVQ_REQUIRE(files.used.count(path) > 0, kInvalidArgument, "--calibrate ", path,
+                ": its codebooks (", files.specs.at(path),
+                ") fit none of the policies that need calibration",
+                files.why.count(path) ? " (" + files.why.at(path) + ")" : std::string());
+  for (const std::string& path : args.paths)  // files never reached (an earlier source won)
+    if (files.loaded.count(path) == 0 && is_calibration_file(path)) {
+      const kvq::CalibrationFile f = kvq::load_calibration(path);  // a bad file is an error
+      kvq::fail(kvq::ErrorKind::kInvalidArgument, "--calibrate ", path, ": its codebooks (",
+                f.policy.spec(), ") fit none of the policies that need calibration");
+    }
+}
+
+/// Calibrates, in place, every policy of `ps` that needs it (kvq_perplexity,
+/// kvq_quantize_dump), saves each to args.save when given, checks that every calibration file
+/// served, and returns the source description ("" when nothing needed calibration).
+template <class RunText>
+std::string calibrate_policies(std::vector<kvq::Policy>& ps, const CalibrationArgs& args,
+                               int n_layers, const kvq::eval::KVGeometry* geo, bool prerope,
+                               RunText&& run_text, const char* tool) {
+  std::size_t n_cal = 0, i_cal = 0;
+  for (const kvq::Policy& p : ps) n_cal += kvq::needs_calibration(p, n_layers) ? 1 : 0;
+  CalibrationFiles files;
+  std::string all;  // distinct sources, in order
+  for (kvq::Policy& p : ps) {
+    if (!kvq::needs_calibration(p, n_layers)) continue;
+    std::fprintf(stderr, "%s: calibrating %s ...\n", tool, p.spec().c_str());
+    std::string what;
+    p = calibrate_policy(p, args, n_layers, geo, prerope, run_text, files, &what);
+    if (!args.save.empty()) save_calibration_for(args.save, i_cal, n_cal, p, n_layers, what);
+    if (all.find(what) == std::string::npos) all += (all.empty() ? "" : "; ") + what;
+    ++i_cal;
+  }
+  check_calibration_files(args, files);
+  return all;
 }
 
 }  // namespace kvq_tools

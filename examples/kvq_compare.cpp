@@ -15,6 +15,13 @@
 //                                 held under each scheme (residual 0: every complete block
 //                                 quantized)
 //
+// KVQuant's nuq<b> schemes need per-layer codebooks: --calibrate PATH (a calibration file, a KV
+// dump, or for --model a text; repeatable, see calibration_source.hpp) supplies them. On the
+// built-in synthetic input without --calibrate they are learned on a separate synthetic draw
+// (seed + 1): data disjoint from the evaluation's. On a dump or model input without --calibrate
+// the nuq schemes are skipped (and the output says why): calibrating on the evaluation data
+// would leak it.
+//
 // Writes <out>/compare.csv, <out>/compare.json and <out>/compare.svg (error vs effective bits,
 // Pareto front marked).
 #include <algorithm>
@@ -24,13 +31,16 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <unistd.h>
 
+#include "calibration_source.hpp"
 #include "eval_model.hpp"
 #include "kvq/accounting/accountant.hpp"
 #include "kvq/cache/cache_backend.hpp"
@@ -41,6 +51,7 @@
 #include "kvq/eval/synthetic.hpp"
 #include "kvq/io/kv_dump.hpp"
 #include "kvq/policy/spec.hpp"
+#include "kvq/quant/calibrate.hpp"
 #include "kvq/quant/quantize.hpp"
 #include "report.hpp"
 
@@ -51,6 +62,19 @@ struct Scheme {
   std::string geometry;  // plot group
   kvq::QuantConfig k, v;
   bool prerope = false;  // keys quantized before RoPE, RoPE applied after dequantization
+  /// The scheme as a cache policy (residual 0); for nuq schemes, after calibration, with the
+  /// per-layer codebooks as overrides.
+  kvq::Policy policy() const {
+    if (calibrated) return *calibrated;
+    kvq::Policy p;
+    p.key = k;
+    p.value = v;
+    return p;
+  }
+  bool needs_calibration() const {
+    return k.format == kvq::Format::kNuq || v.format == kvq::Format::kNuq;
+  }
+  std::shared_ptr<const kvq::Policy> calibrated = nullptr;
 };
 
 kvq::QuantConfig raw(kvq::Format f) { return kvq::raw_config(f); }
@@ -115,6 +139,18 @@ std::vector<Scheme> default_grid() {
     g.push_back({"int" + std::to_string(bits) + "+1% outliers K channel pre-RoPE / V token g32",
                  "K channel pre-RoPE / V token + 1% outliers", k, v, true});
   }
+  // KVQuant's non-uniform datatype: nuq<b> codebooks learned per layer (K and V) on calibration
+  // data, alone and with 1% outliers (KVQuant's full recipe with the pre-RoPE per-channel keys).
+  for (int out : {0, 1})
+    for (int bits : {2, 3, 4}) {
+      kvq::QuantConfig k = kvq::nuq_config(bits, Axis::kChannel, 32),
+                       v = kvq::nuq_config(bits, Axis::kToken, 32);
+      k.outlier_pct = v.outlier_pct = static_cast<float>(out);
+      g.push_back({"nuq" + std::to_string(bits) + (out ? "+1% outliers" : "") +
+                       " K channel pre-RoPE / V token g32",
+                   std::string("nuq K channel pre-RoPE / V token") + (out ? " + 1% outliers" : ""),
+                   k, v, true});
+    }
   return g;
 }
 
@@ -261,14 +297,20 @@ kvq_tools::Row evaluate_scheme(const Scheme& sc, const Input& in) {
   const int64_t qstride = static_cast<int64_t>(in.q_heads) * shape.head_dim;
   KVQ_REQUIRE(!sc.prerope || !in.layers.front().kp.empty(), kUnsupported,
               "the input has no pre-RoPE keys");
-  for (const Layer& L : in.layers) {
+  const kvq::Policy pol = sc.policy();
+  const int n_layers = static_cast<int>(in.layers.size());
+  for (int li = 0; li < n_layers; ++li) {
+    const Layer& L = in.layers[static_cast<size_t>(li)];
+    const kvq::QuantConfig kc = pol.key_for(li, n_layers), vc = pol.value_for(li, n_layers);
     kvq::KVView<const float> k(L.k.data(), shape), v(L.v.data(), shape);
     const auto qk = kvq::quantize(
-        sc.k, sc.prerope ? kvq::KVView<const float>(L.kp.data(), shape) : k);
-    const auto qv = kvq::quantize(sc.v, v);
-    bytes += static_cast<double>(qk.bytes() + qv.bytes());
-    acct += static_cast<double>(kvq::account(sc.k, shape).total() +
-                                kvq::account(sc.v, shape).total());
+        kc, sc.prerope ? kvq::KVView<const float>(L.kp.data(), shape) : k);
+    const auto qv = kvq::quantize(vc, v);
+    // Packed bytes plus the per-layer metadata (a nuq layer's codebooks) on both sides.
+    const auto layer_meta = kvq::layer_metadata_bytes(kc) + kvq::layer_metadata_bytes(vc);
+    bytes += static_cast<double>(qk.bytes() + qv.bytes() + layer_meta);
+    acct += static_cast<double>(kvq::account(kc, shape).total() +
+                                kvq::account(vc, shape).total() + layer_meta);
     kvq::KVView<float> kd(kq.data(), shape), vd(vq.data(), shape);
     kvq::dequantize(qk, kd);
     kvq::dequantize(qv, vd);
@@ -308,7 +350,98 @@ kvq_tools::Row evaluate_scheme(const Scheme& sc, const Input& in) {
 /// The scheme as a policy spec (residual 0), for kvq_perplexity / kvq_quantize_dump.
 std::string scheme_spec(const Scheme& sc) {
   return "k=" + kvq::config_spec(sc.k) + ",v=" + kvq::config_spec(sc.v) + ",residual=0" +
-         (sc.prerope ? " (keys pre-RoPE: kvq_perplexity --prerope)" : "");
+         (sc.prerope ? " (keys pre-RoPE: kvq_perplexity --prerope)" : "") +
+         (sc.needs_calibration() ? " (per-layer codebooks: --calibrate)" : "");
+}
+
+/// A calibration set from a synthetic draw: keys as quantized (pre-RoPE when `prerope`), the
+/// post-RoPE keys and queries at every position (sensitivity weights), values.
+kvq::CalibrationSet synthetic_calibration_set(kvq::eval::SyntheticSpec spec, bool prerope) {
+  spec.queries = spec.tokens;
+  kvq::CalibrationSet set;
+  set.n_layers = spec.layers;
+  set.kv_heads = spec.kv_heads;
+  set.q_heads = spec.q_heads;
+  set.head_dim = spec.head_dim;
+  kvq::CalibrationSet::Sequence seq;
+  seq.tokens = spec.tokens;
+  for (auto& L : kvq::eval::make_synthetic_kv(spec)) {
+    kvq::CalibrationSet::Layer cl;
+    cl.k = prerope ? L.k_prerope : L.k;
+    cl.k_attn = std::move(L.k);
+    cl.v = std::move(L.v);
+    cl.q = std::move(L.q);
+    seq.layers.push_back(std::move(cl));
+  }
+  set.sequences.push_back(std::move(seq));
+  return set;
+}
+
+/// Gives every nuq scheme of `grid` its per-layer codebooks (Scheme::calibrated): from
+/// --calibrate when given, else on the synthetic input from a separate synthetic draw (seed + 1,
+/// disjoint from the evaluation data); on a dump or model input without --calibrate, and for a
+/// scheme no --calibrate file fits, the scheme is skipped with the reason. Saves each learned
+/// calibration when --save-calibration is given. Returns the source description ("" when the
+/// grid has no calibrated scheme).
+std::string calibrate_grid(std::vector<Scheme>& grid, const kvq_tools::CalibrationArgs& args,
+                           const Input& in, const kvq::eval::SyntheticSpec& spec,
+                           kvq_tools::EvalModel* model, const kvq::eval::EvalOptions& opt,
+                           std::vector<std::string>& skipped) {
+  const int n_layers = static_cast<int>(in.layers.size());
+  const bool synthetic = in.description.rfind("SYNTHETIC", 0) == 0;
+  std::size_t n_cal = 0, i_cal = 0;
+  for (const Scheme& sc : grid) n_cal += sc.needs_calibration() ? 1 : 0;
+  kvq_tools::CalibrationFiles files;
+  std::string all;
+  std::unique_ptr<kvq::eval::KVGeometry> geo;
+  if (model) geo = std::make_unique<kvq::eval::KVGeometry>(model->kv_geometry());
+  kvq::eval::SyntheticSpec cal_spec = spec;
+  cal_spec.seed = spec.seed + 1;
+  std::map<bool, kvq::CalibrationSet> synth_sets;  // by prerope
+  for (Scheme& sc : grid) {
+    if (!sc.needs_calibration()) continue;
+    if (sc.prerope && in.layers.front().kp.empty()) continue;  // evaluate_scheme skips it
+    std::string what;
+    kvq::Policy p = sc.policy();
+    if (args.paths.empty()) {
+      if (!synthetic) {
+        skipped.push_back(sc.name + ": nuq needs per-layer codebooks: pass --calibrate PATH (a "
+                          "calibration file, another KV dump" +
+                          std::string(model ? ", or a text other than --text" : "") +
+                          "); kvq_compare does not calibrate on the data it evaluates");
+        continue;
+      }
+      auto it = synth_sets.find(sc.prerope);
+      if (it == synth_sets.end())
+        it = synth_sets.emplace(sc.prerope, synthetic_calibration_set(cal_spec, sc.prerope)).first;
+      p = kvq::calibrate(p, it->second);
+      what = "a separate synthetic draw (seed " + std::to_string(cal_spec.seed) +
+             ", same shape), disjoint from the evaluation data (seed " +
+             std::to_string(spec.seed) + ")";
+    } else {
+      std::optional<kvq::Policy> c = kvq_tools::try_calibrate_policy(
+          p, args, n_layers, geo.get(), sc.prerope,
+          [&](const std::string& path, kvq::eval::KVBackend& rec) {
+            model->evaluate(rec, model->read_lines(path), opt);
+          },
+          files, &what);
+      if (!c) {  // other files may serve other schemes
+        skipped.push_back(sc.name + ": none of the --calibrate files holds codebooks for " +
+                          kvq::config_spec(sc.k) + " / " + kvq::config_spec(sc.v));
+        continue;
+      }
+      p = std::move(*c);
+    }
+    if (!args.save.empty()) {
+      std::fprintf(stderr, "kvq_compare: %s: ", sc.name.c_str());
+      kvq_tools::save_calibration_for(args.save, i_cal, n_cal, p, n_layers, what);
+    }
+    ++i_cal;
+    sc.calibrated = std::make_shared<const kvq::Policy>(std::move(p));
+    if (all.find(what) == std::string::npos) all += (all.empty() ? "" : "; ") + what;
+  }
+  kvq_tools::check_calibration_files(args, files);
+  return all;
 }
 
 #ifndef KVQ_SHARED_DIR
@@ -331,8 +464,11 @@ void usage(const char* argv0) {
                "                        per scheme (tokenizer and text default to\n"
                "                        %s/data/stories260K/)\n"
                "  --queries N           query positions per layer (the last N, causal; default 16)\n"
+               "nuq schemes (per-layer codebooks; synthetic input: learned on a separate draw,\n"
+               "seed + 1; dump and model inputs: skipped without --calibrate):\n"
+               "%s"
                "Writes DIR/compare.{csv,json,svg} (DIR defaults to kvq_compare_out).\n",
-               argv0, KVQ_SHARED_DIR);
+               argv0, KVQ_SHARED_DIR, kvq_tools::CalibrationArgs::usage(true).c_str());
 }
 
 /// Progress on stderr: a rewritten line on a terminal, a line per quarter of the work otherwise
@@ -370,7 +506,9 @@ int main(int argc, char** argv) {
   bool json_stdout = false, perplexity = true, synthetic_flags = false;
   int n_queries = 16, max_seqs = 0;
   kvq::RopeConfig dump_rope;
+  kvq_tools::CalibrationArgs calib;
   for (int i = 1; i < argc; ++i) {
+    if (calib.parse("kvq_compare", argc, argv, i)) continue;
     const std::string a = argv[i];
     auto next = [&]() -> const char* {
       if (i + 1 >= argc) {
@@ -447,11 +585,26 @@ int main(int argc, char** argv) {
     }
     std::fprintf(stderr, "kvq_compare: input: %s\nkvq_compare: attention measured with %s\n",
                  in.description.c_str(), in.query_source.c_str());
-    const auto full_grid = default_grid();
+    auto full_grid = default_grid();
+    std::vector<std::string> skipped;
+    kvq::eval::EvalOptions opt;  // the model runs' options (perplexity, calibration texts)
+    opt.max_sequences = max_seqs;
+    std::string calib_what = calibrate_grid(full_grid, calib, in, spec, model.get(), opt, skipped);
+    for (const std::string& cp : calib.paths) {  // calibration data that is evaluation data
+      const std::string& eval_path = model ? text_path : dump_path;
+      std::error_code ec;
+      if (!eval_path.empty() && std::filesystem::equivalent(cp, eval_path, ec)) {
+        std::fprintf(stderr, "kvq_compare: WARNING: --calibrate %s is also the evaluation data: "
+                             "the nuq rows have seen what they are measured on\n", cp.c_str());
+        calib_what += " (WARNING: the evaluation data itself)";
+      }
+    }
+    if (!calib_what.empty())
+      std::fprintf(stderr, "kvq_compare: nuq codebooks from %s\n", calib_what.c_str());
     std::vector<Scheme> grid;
     std::vector<kvq_tools::Row> rows;
-    std::vector<std::string> skipped;
     for (size_t si = 0; si < full_grid.size(); ++si) {
+      if (full_grid[si].needs_calibration() && !full_grid[si].calibrated) continue;  // skipped
       progress("", si, full_grid.size(), full_grid[si].name);
       try {
         rows.push_back(evaluate_scheme(full_grid[si], in));
@@ -478,8 +631,6 @@ int main(int argc, char** argv) {
     double ref_ppl = 0;
     int64_t ppl_tokens = 0;
     if (run_ppl) {
-      kvq::eval::EvalOptions opt;
-      opt.max_sequences = max_seqs;
       kvq::eval::LogitTrace trace;
       kvq::eval::Fp32Backend ref(model->kv_geometry());
       kvq::eval::EvalOptions ropt = opt;
@@ -489,10 +640,8 @@ int main(int argc, char** argv) {
       ppl_tokens = r0.test.tokens;
       for (size_t si = 0; si < grid.size(); ++si) {
         progress("perplexity ", si, grid.size(), grid[si].name);
-        kvq::Policy p;
-        p.key = grid[si].k;
-        p.value = grid[si].v;
-        kvq::CacheBackend be(p, model->kv_geometry(), grid[si].prerope, model->rope());
+        kvq::CacheBackend be(grid[si].policy(), model->kv_geometry(), grid[si].prerope,
+                             model->rope());
         kvq::eval::EvalOptions popt = opt;
         popt.reference_trace = &trace;
         const auto r = model->evaluate(be, lines, popt);
@@ -520,6 +669,7 @@ int main(int argc, char** argv) {
         {"input", in.description},
         {"synthetic", kvq_tools::raw_json(dump_path.empty() && model_path.empty() ? "true" : "false")},
         {"query_source", in.query_source},
+        {"calibration", calib_what.empty() ? std::string("none") : calib_what},
         {"command", cmd}};
     if (run_ppl) {
       meta.push_back({"text", text_path});
@@ -548,6 +698,7 @@ int main(int argc, char** argv) {
       if (dump_path.empty() && model_path.empty())
         std::printf("(SYNTHETIC input: keys have fixed outlier channels and RoPE, values do not; "
                     "pass --dump or --model for real data)\n");
+      if (!calib_what.empty()) std::printf("nuq codebooks: %s\n", calib_what.c_str());
       std::printf("attention errors with %s", in.query_source.c_str());
       if (run_ppl)
         std::printf("; perplexity/KL over %lld tokens of %s (f32 reference %.4f)",

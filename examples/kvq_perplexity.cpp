@@ -106,15 +106,12 @@ void usage() {
                "--simulate: quantize each key/value scale group as soon as it is complete (keys\n"
                "  and values independently; simulated quantization, the reference table's rule)\n"
                "  instead of the streaming cache's shared blocks\n"
-               "--calibrate: nuq codebooks from PATH: a calibration file, a KV dump, or a text\n"
-               "  file the model is run over (keys, values, queries recorded; use another text\n"
-               "  than --text to avoid leaking evaluation data)\n"
-               "--save-calibration: write the learned calibration (FILE.<i>.json for several)\n"
+               "%s"
                "--prerope: quantize keys before RoPE and apply RoPE after dequantization\n"
                "  (KVQuant), in the streaming cache or with --simulate\n"
                "defaults: %s/data/stories260K/{stories260K.bin,tok512.bin,tinystories-dev.txt}, "
                "policy f32\n",
-               KVQ_SHARED_DIR);
+               kvq_tools::CalibrationArgs::usage(true).c_str(), KVQ_SHARED_DIR);
 }
 
 int parse_count(const std::string& flag, const char* v) {
@@ -136,7 +133,7 @@ int main(int argc, char** argv) {
               text_path = base + "tinystories-dev.txt", policy_arg = "f32";
   bool json = false, simulate = false, prerope = false;
   int threads = 0;
-  std::string calib_path, save_calib;
+  kvq_tools::CalibrationArgs calib;
   kvq::eval::EvalOptions opt;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -147,6 +144,7 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
+    if (calib.parse("kvq_perplexity", argc, argv, i)) continue;
     if (a == "--model") model_path = next();
     else if (a == "--tokenizer") tok_path = next();
     else if (a == "--text") text_path = next();
@@ -157,8 +155,6 @@ int main(int argc, char** argv) {
     else if (a == "--max-seqs") opt.max_sequences = parse_count(a, next());
     else if (a == "--seq-len") opt.max_seq_len = parse_count(a, next());
     else if (a == "--threads") threads = parse_count(a, next());
-    else if (a == "--calibrate") calib_path = next();
-    else if (a == "--save-calibration") save_calib = next();
     else if (a == "-h" || a == "--help") {
       usage();
       return 0;
@@ -185,23 +181,12 @@ int main(int argc, char** argv) {
     // nuq policies: codebooks from --calibrate (a spec that needs one without it is an error).
     std::vector<std::string> names;  // specs as given (a calibrated policy lists every layer)
     for (const kvq::Policy& p : policies) names.push_back(p.spec());
-    std::size_t n_cal = 0, i_cal = 0;
-    for (const kvq::Policy& p : policies) n_cal += kvq::needs_calibration(p, geo.n_layers) ? 1 : 0;
-    std::string calib_what;
-    for (kvq::Policy& p : policies) {
-      if (!kvq::needs_calibration(p, geo.n_layers)) continue;
-      if (calib_path.empty()) kvq::check_calibrated(p, geo.n_layers);  // throws, naming the layer
-      std::fprintf(stderr, "kvq_perplexity: calibrating %s ...\n", p.spec().c_str());
-      p = kvq_tools::calibrate_from(
-          p, calib_path, geo.n_layers, &geo, prerope,
-          [&](const std::string& path, kvq::eval::KVBackend& rec) {
-            model.evaluate(rec, model.read_lines(path), opt);
-          },
-          &calib_what);
-      if (!save_calib.empty())
-        kvq_tools::save_calibration_for(save_calib, i_cal, n_cal, p, geo.n_layers, calib_what);
-      ++i_cal;
-    }
+    const std::string calib_what = kvq_tools::calibrate_policies(
+        policies, calib, geo.n_layers, &geo, prerope,
+        [&](const std::string& path, kvq::eval::KVBackend& rec) {
+          model.evaluate(rec, model.read_lines(path), opt);
+        },
+        "kvq_perplexity");
 
     std::vector<kvq_tools::Row> rows;
     for (std::size_t pi = 0; pi < policies.size(); ++pi) {

@@ -35,9 +35,9 @@ void usage() {
   std::fprintf(stderr,
                "usage: kvq_quantize_dump --policy SPEC[;SPEC...] [--json] [--queries N]\n"
                "                         [--prerope [--rope-theta T] [--rope-style adjacent|half]]\n"
-               "                         [--calibrate CAL] [--save-calibration FILE] PATH\n"
-               "--calibrate: nuq codebooks from CAL, a calibration file or a KV dump (use another\n"
-               "  dump than PATH to keep evaluation data out of calibration)\n");
+               "                         [--calibrate CAL]... [--save-calibration FILE] PATH\n"
+               "%s",
+               kvq_tools::CalibrationArgs::usage(false).c_str());
 }
 
 }  // namespace
@@ -45,7 +45,7 @@ void usage() {
 int main(int argc, char** argv) {
   std::string policy_arg, path, rope_style = "adjacent";
   bool json = false, prerope = false;
-  std::string calib_path, save_calib;
+  kvq_tools::CalibrationArgs calib;
   int n_queries = 16;
   double theta = 10000.0;
   for (int i = 1; i < argc; ++i) {
@@ -57,11 +57,10 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
+    if (calib.parse("kvq_quantize_dump", argc, argv, i)) continue;
     if (a == "--policy") policy_arg = next();
     else if (a == "--json") json = true;
     else if (a == "--prerope") prerope = true;
-    else if (a == "--calibrate") calib_path = next();
-    else if (a == "--save-calibration") save_calib = next();
     else if (a == "--rope-style") rope_style = next();
     else if (a == "--rope-theta") {
       char* end = nullptr;
@@ -110,17 +109,9 @@ int main(int argc, char** argv) {
     const int L = static_cast<int>(dump.num_layers());
     std::vector<std::string> names;  // specs as given (a calibrated policy lists every layer)
     for (const kvq::Policy& p : policies) names.push_back(p.spec());
-    std::size_t n_cal = 0, i_cal = 0;
-    for (const kvq::Policy& p : policies) n_cal += kvq::needs_calibration(p, L) ? 1 : 0;
-    for (kvq::Policy& p : policies) {  // nuq codebooks (an uncalibrated nuq spec is an error)
-      if (!kvq::needs_calibration(p, L)) continue;
-      if (calib_path.empty()) kvq::check_calibrated(p, L);
-      std::string what;
-      p = kvq_tools::calibrate_from(p, calib_path, L, nullptr, prerope,
-                                    [](const std::string&, kvq::eval::KVBackend&) {}, &what);
-      if (!save_calib.empty()) kvq_tools::save_calibration_for(save_calib, i_cal, n_cal, p, L, what);
-      ++i_cal;
-    }
+    const std::string calib_what = kvq_tools::calibrate_policies(
+        policies, calib, L, nullptr, prerope, [](const std::string&, kvq::eval::KVBackend&) {},
+        "kvq_quantize_dump");
     const kvq::Shape shape = dump.layers[0].k.kv_shape();
     for (int l = 0; l < L; ++l)
       KVQ_REQUIRE(dump.layers[static_cast<size_t>(l)].k.kv_shape() == shape, kShapeMismatch,
@@ -221,7 +212,8 @@ int main(int argc, char** argv) {
       std::fputs(kvq_tools::to_json(rows, {{"tool", "kvq_quantize_dump"},
                                            {"dump", path},
                                            {"shape", shape.str()},
-                                           {"query_source", query_source}})
+                                           {"query_source", query_source},
+                                           {"calibration", calib_what.empty() ? std::string("none") : calib_what}})
                      .c_str(),
                  stdout);
     } else {
