@@ -28,12 +28,17 @@
 ///    bit-identical for any number of threads.
 /// Three instruction sets share this code (kernels/cpu/attention_simd.hpp): AVX-512 when
 /// head_dim is a multiple of 16, AVX2 when a multiple of 8, else (and under KVQ_NO_SIMD) scalar.
+/// The AVX2 path, when head_dim is a multiple of 16 and keys are not pre-RoPE, runs its own tile
+/// loop (Unit::run_tiles): tiles gathered over several pages, all kv heads per tile, keys read
+/// token-major, values prefetched while keys are scored, and the 16-channel register-blocked
+/// microkernels of kernels/cpu/attention_avx2.hpp (value group scales folded into the weights).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <functional>
 #include <limits>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "kvq/cache/kv_cache.hpp"
@@ -43,6 +48,7 @@
 #include "kvq/core/rows.hpp"
 #include "kvq/core/tensor.hpp"
 #include "kvq/geometry/grouping.hpp"
+#include "kvq/kernels/cpu/attention_avx2.hpp"
 #include "kvq/kernels/cpu/attention_simd.hpp"
 #include "kvq/kernels/cpu/uniform_cpu.hpp"
 #include "kvq/quant/lloyd_max_quant.hpp"
@@ -74,7 +80,6 @@ constexpr int64_t kTile = 64;            ///< tokens per softmax tile
 constexpr int64_t kDefaultSplit = 4096;  ///< tokens per chunk when split_tokens == 0
 constexpr int64_t kQueryBlock = 16;      ///< queries per work unit (prefill)
 
-enum class Load : uint8_t { kF32, kF16, kBF16, kU8, kU4, kU2, kE4M3, kE5M2, kLut8, kLut4 };
 enum class Scale : uint8_t {
   kRow,      ///< one (scale, zero) per row: raw formats (1, 0), fp8/int with gc == head_dim, lm
   kGroup,    ///< token axis, groups of gc channels, gc a multiple of the vector width
@@ -119,6 +124,14 @@ struct Scratch {
   std::vector<float> krow;      // [kTile, D] decoded (pre-RoPE) key rows
   std::vector<float> rc, rs;    // [D/2] RoPE cos/sin of one position
   std::vector<float> tmp;       // [max(D, rows)]
+  // AVX2 tiles over several segments (attention_avx2.hpp)
+  struct Piece {
+    std::size_t si;         ///< segment index
+    int64_t loc0, n, o;     ///< segment-local first token, tokens, offset in the tile
+  };
+  std::vector<Piece> pieces;
+  std::vector<float> wg;  // [rows, D / 16, kTile] value weights times group scales
+  std::vector<float> zg;  // [rows, D / 16] value zero sums per group
 };
 
 /// Everything an attention call keeps between calls.
@@ -577,6 +590,29 @@ class Unit {
     sc_.tmp.resize(static_cast<std::size_t>(std::max(D, R_)));
 
     if (a < b) {
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+      if constexpr (std::is_same<S, Simd256>::value) {
+        if (P_.rope == nullptr && D % 16 == 0) {
+          // all heads of a tile at once: [H, R, kTile] scores and weights, [H, ...] metadata
+          const auto hr = static_cast<std::size_t>(H * R_);
+          const auto ngmax = static_cast<std::size_t>(D / 16);
+          sc_.s.resize(hr * kTile);
+          sc_.w.resize(hr * kTile);
+          sc_.wg.resize(hr * ngmax * kTile);
+          sc_.zg.resize(hr * ngmax);
+          sc_.zacc.resize(hr);
+          sc_.qf.resize(hr * static_cast<std::size_t>(D));
+          sc_.qz.resize(hr);
+          const std::size_t mt = std::max(static_cast<std::size_t>(H) * ngmax * kTile,
+                                          static_cast<std::size_t>(std::max(H, kTile) * D));
+          for (auto* v : {&sc_.kms, &sc_.kmz, &sc_.vms, &sc_.vmz}) v->resize(mt);
+          sc_.pieces.reserve(static_cast<std::size_t>(kTile));
+          run_tiles(a, b);
+          finish(chunk, qb);
+          return;
+        }
+      }
+#endif
       for (std::size_t si = 0; si < ws_.segs.size(); ++si) {
         const CacheSegment& seg = ws_.segs[si];
         const int64_t s0 = std::max(a, seg.begin), s1 = std::min(b, seg.end);
@@ -601,6 +637,571 @@ class Unit {
 
  private:
   float* row_acc(float* base, int64_t h, int64_t r) const { return base + (h * R_ + r) * P_.D; }
+
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+  // ---- AVX2 path (attention_avx2.hpp). A tile is up to kTile tokens gathered over consecutive
+  // segments of the same kind (a cache's pages hold 16-32 tokens each) and is processed for all
+  // kv heads at once, token-major: the keys of a token for every head are one contiguous run
+  // of bytes in a page, so scoring reads the keys in address order, and the values of the tile
+  // are prefetched while its keys are scored (per-head walks over rows H * D * bytes apart ran
+  // at half the bandwidth of a sequential read on the Zen 3 host; see docs/benchmarks.md).
+  // Streams the microkernels do not read (odd bit widths, QJL, group widths that are not a
+  // multiple of 16) go through tile() one segment piece and one head at a time.
+  using Piece = Scratch::Piece;
+
+  /// Tokens scored ahead of the current one whose key rows are prefetched.
+  static constexpr int64_t kKeyAhead = 4;
+
+  /// True when the AVX2 microkernels read this stream.
+  static bool fast_stream(const Stream& st) {
+    if (!st.packed) return st.rows.dim_contiguous();
+    if (st.unpack || st.qjl || st.load == Load::kLut8) return false;
+    if (st.lm) return true;
+    if (st.scale == Scale::kExpand) return false;
+    return st.scale != Scale::kGroup || st.box.gc % 16 == 0;
+  }
+
+  /// True when two segments' streams may share a tile (same reading, only the pointers differ).
+  static bool same_kind(const Stream& a, const Stream& b) {
+    if (a.packed != b.packed || !fast_stream(a) || !fast_stream(b)) return false;
+    if (!a.packed) return a.rows.strides().head == b.rows.strides().head;
+    return a.load == b.load && a.scale == b.scale && a.bits == b.bits && a.lm == b.lm &&
+           a.zeros == b.zeros && a.raw == b.raw && a.off == b.off && a.mul == b.mul &&
+           a.box.gt == b.box.gt && a.box.gh == b.box.gh && a.box.gc == b.box.gc &&
+           a.ctx == b.ctx && a.view.config.meta == b.view.config.meta;
+  }
+
+  void run_tiles(int64_t a, int64_t b) {
+    auto& pcs = sc_.pieces;
+    pcs.clear();
+    int64_t tn = 0;
+    auto flush = [&] {
+      if (tn == 0) return;
+      const std::size_t si0 = pcs.front().si;
+      if (fast_stream(ws_.ks[si0]) && fast_stream(ws_.vs[si0])) {
+        tile_all(tn);
+      } else {
+        for (const Piece& p : pcs) {
+          const CacheSegment& seg = ws_.segs[p.si];
+          for (int64_t h = 0; h < P_.H; ++h)
+            tile(seg, ws_.ks[p.si], ws_.vs[p.si], h, seg.begin + p.loc0,
+                 seg.begin + p.loc0 + p.n);
+        }
+      }
+      pcs.clear();
+      tn = 0;
+    };
+    for (std::size_t si = 0; si < ws_.segs.size(); ++si) {
+      const CacheSegment& seg = ws_.segs[si];
+      const int64_t s0 = std::max(a, seg.begin), s1 = std::min(b, seg.end);
+      if (s0 >= s1) continue;
+      const Stream& ks = ws_.ks[si];
+      const Stream& vs = ws_.vs[si];
+      if (tn > 0 && !(same_kind(ws_.ks[pcs.front().si], ks) &&
+                      same_kind(ws_.vs[pcs.front().si], vs)))
+        flush();
+      const bool alone = !(fast_stream(ks) && fast_stream(vs));
+      int64_t t = s0;
+      while (t < s1) {
+        int64_t e = std::min(s1, t + kTile - tn);
+        for (const Stream* st : {&ks, &vs})
+          if (st->packed && st->scale == Scale::kChannel) {
+            const int64_t gt = st->box.gt, loc = t - seg.begin;
+            e = std::min(e, seg.begin + (loc / gt + 1) * gt);
+          }
+        pcs.push_back(Piece{si, t - seg.begin, e - t, tn});
+        tn += e - t;
+        if (tn == kTile || alone) flush();
+        t = e;
+      }
+    }
+    flush();
+  }
+
+  /// Pointers to head 0's row of every tile token (rp[t]); returns the byte distance between
+  /// heads and sets `span` to the bytes of a token's rows over all heads.
+  int64_t row_ptrs(const std::vector<Stream>& streams, const uint8_t** rp, int64_t& span) const {
+    const int64_t H = P_.H, D = P_.D;
+    int64_t hs = 0;
+    for (const Piece& p : sc_.pieces) {
+      const Stream& st = streams[p.si];
+      if (st.packed) {
+        hs = D * st.bits / 8;
+        const uint8_t* base = st.view.codes + p.loc0 * H * hs;
+        for (int64_t t = 0; t < p.n; ++t) rp[p.o + t] = base + t * H * hs;
+        span = H * hs;
+      } else {
+        hs = st.rows.strides().head * static_cast<int64_t>(sizeof(float));
+        for (int64_t t = 0; t < p.n; ++t)
+          rp[p.o + t] = reinterpret_cast<const uint8_t*>(st.rows.row(p.loc0 + t, 0));
+        span = (H - 1) * hs + D * static_cast<int64_t>(sizeof(float));
+      }
+    }
+    return hs;
+  }
+
+  static void prefetch_rows(const uint8_t* p, int64_t span) {
+    for (int64_t o = 0; o < span; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+  }
+
+  /// Per-token metadata of piece p, head h, group-major: ms[g * kTile + p.o + t] (kRow: g = 0;
+  /// kGroup: the row's groups of gc channels; Lloyd-Max: the norm); zero points carry the folded
+  /// offset as in tile_meta().
+  void meta_rows(const Stream& st, const Piece& p, int64_t h, float* ms, float* mz) const {
+    const PackedView& v = st.view;
+    const GroupBox& b = st.box;
+    const MetaDType md = v.config.meta;
+    if (st.lm) {
+      for (int64_t t = 0; t < p.n; ++t) {
+        ms[p.o + t] = detail::load_meta(v.norms, md, static_cast<std::size_t>((p.loc0 + t) * P_.H + h));
+        mz[p.o + t] = 0.f;
+      }
+      return;
+    }
+    const int64_t ng = st.scale == Scale::kGroup ? P_.D / b.gc : 1;
+    int64_t tb = p.loc0 / b.gt, tr = p.loc0 % b.gt;
+    const int64_t hb = h / b.gh;
+    for (int64_t t = 0; t < p.n; ++t) {
+      const auto g0 = static_cast<std::size_t>((tb * b.nh + hb) * b.nc);
+      for (int64_t g = 0; g < ng; ++g) {
+        const float sc = detail::load_meta(v.scales, md, g0 + static_cast<std::size_t>(g));
+        const float z = st.zeros ? detail::load_meta(v.zeros, md, g0 + static_cast<std::size_t>(g)) : 0.f;
+        ms[g * kTile + p.o + t] = sc * st.mul;
+        mz[g * kTile + p.o + t] = z - st.off * sc;
+      }
+      if (++tr == b.gt) {
+        tr = 0;
+        ++tb;
+      }
+    }
+  }
+
+  /// 8 metadata values from slot i on, as floats.
+  static avx2::V meta8(const uint8_t* base, MetaDType md, std::size_t i) {
+    if (md == MetaDType::kF16)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 2 * i)));
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(base + 4 * i));
+  }
+
+  /// 8 x 8 transpose (rows v[0..7] become columns).
+  static void transpose8(avx2::V* v) {
+    using V = avx2::V;
+    const V t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+    const V t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+    const V t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
+    const V t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
+    const V u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const V u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const V u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const V u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    v[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    v[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    v[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    v[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    v[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    v[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    v[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    v[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+  }
+
+  /// Token-axis groups (one scale per token, head and group of gc channels) of piece p for all
+  /// heads at once: a token's H * ng values are contiguous, so 8 tokens x 8 values are loaded,
+  /// transposed and stored as 8 columns ms[c * kTile + t] (c = h * ng + g). Returns false (and
+  /// does nothing) unless the shape allows it.
+  bool meta_token_groups(const Stream& st, const Piece& p, int64_t ng, float* ms, float* mz) const {
+    using V = avx2::V;
+    const GroupBox& b = st.box;
+    const int64_t cols = P_.H * ng;
+    if (st.lm || b.gt != 1 || b.gh != 1 || b.nc != ng || cols % 8 != 0) return false;
+    const PackedView& v = st.view;
+    const MetaDType md = v.config.meta;
+    const V mul = _mm256_set1_ps(st.mul), off = _mm256_set1_ps(st.off);
+    int64_t t = 0;
+    for (; t + 8 <= p.n; t += 8)
+      for (int64_t c = 0; c < cols; c += 8) {
+        V sv[8], zv[8];
+        for (int u = 0; u < 8; ++u) {
+          const auto i = static_cast<std::size_t>((p.loc0 + t + u) * cols + c);
+          sv[u] = meta8(v.scales, md, i);
+          zv[u] = st.zeros ? meta8(v.zeros, md, i) : _mm256_setzero_ps();
+        }
+        transpose8(sv);
+        if (st.zeros) transpose8(zv);
+        for (int k = 0; k < 8; ++k) {
+          _mm256_storeu_ps(ms + (c + k) * kTile + p.o + t, _mm256_mul_ps(sv[k], mul));
+          _mm256_storeu_ps(mz + (c + k) * kTile + p.o + t, _mm256_fnmadd_ps(off, sv[k], zv[k]));
+        }
+      }
+    for (; t < p.n; ++t)
+      for (int64_t c = 0; c < cols; ++c) {
+        const auto i = static_cast<std::size_t>((p.loc0 + t) * cols + c);
+        const float sc = detail::load_meta(v.scales, md, i);
+        const float z = st.zeros ? detail::load_meta(v.zeros, md, i) : 0.f;
+        ms[c * kTile + p.o + t] = sc * st.mul;
+        mz[c * kTile + p.o + t] = z - st.off * sc;
+      }
+    return true;
+  }
+
+  /// Per-channel metadata (channel axis) of the block holding segment-local token t0, head h:
+  /// ms[d], mz[d] (tile_meta()'s kChannel case, 8 channels at a time).
+  void meta_channel(const Stream& st, int64_t t0, int64_t h, float* ms, float* mz) const {
+    using V = avx2::V;
+    const GroupBox& b = st.box;
+    const PackedView& v = st.view;
+    const MetaDType md = v.config.meta;
+    const int64_t D = P_.D;
+    const auto g0 = static_cast<std::size_t>(((t0 / b.gt) * b.nh + h / b.gh) * b.nc);
+    if (b.gc != 1 || D % 8 != 0) {
+      tile_meta(st, t0, 1, h, ms, mz, nullptr);
+      return;
+    }
+    const V mul = _mm256_set1_ps(st.mul), off = _mm256_set1_ps(st.off);
+    for (int64_t d = 0; d < D; d += 8) {
+      const V sv = meta8(v.scales, md, g0 + static_cast<std::size_t>(d));
+      const V zv = st.zeros ? meta8(v.zeros, md, g0 + static_cast<std::size_t>(d)) : _mm256_setzero_ps();
+      _mm256_storeu_ps(ms + d, _mm256_mul_ps(sv, mul));
+      _mm256_storeu_ps(mz + d, _mm256_fnmadd_ps(off, sv, zv));
+    }
+  }
+
+  /// Metadata of every piece and head of the tile: head h at ms + h * ng * kTile; entries
+  /// [n, n8) are zero.
+  void meta_tile(const std::vector<Stream>& streams, int64_t n, int64_t ng, float* ms,
+                 float* mz) const {
+    const int64_t n8 = (n + 7) & ~int64_t{7};
+    for (const Piece& p : sc_.pieces) {
+      if (meta_token_groups(streams[p.si], p, ng, ms, mz)) continue;
+      for (int64_t h = 0; h < P_.H; ++h)
+        meta_rows(streams[p.si], p, h, ms + h * ng * kTile, mz + h * ng * kTile);
+    }
+    for (int64_t c = 0; c < P_.H * ng; ++c)
+      for (int64_t t = n; t < n8; ++t) ms[c * kTile + t] = mz[c * kTile + t] = 0.f;
+  }
+
+  /// Scores of tokens [a, b) for every head: sc[(h * R + r) * kTile + t] = q_h[r] . k_h(t), with
+  /// q_h = q + h * qh (R rows of D) and kl = make(h). TB tokens at a time (RB * TB = 8
+  /// accumulators); before each step the key rows kKeyAhead tokens on (up to `n`) and the value
+  /// rows of the step's tokens are prefetched.
+  template <int TB, class MakeKL>
+  void dot_heads(int64_t a, int64_t b, int64_t n, const float* q, int64_t qh, const MakeKL& make,
+                 int64_t kspan, int64_t vspan) {
+    const int64_t D = P_.D, njp = D / 16, R = R_, H = P_.H;
+    const uint8_t* const* krp = sc_.krp.data();
+    const uint8_t* const* vrp = sc_.vrp.data();
+    float* sc = sc_.s.data();
+    auto rows = [&](int64_t t, auto tb) {
+      constexpr int T = decltype(tb)::value;
+      for (int u = 0; u < T; ++u) {
+        if (t + u + kKeyAhead < n) prefetch_rows(krp[t + u + kKeyAhead], kspan);
+        prefetch_rows(vrp[t + u], vspan);
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const auto kl = make(h);
+        const float* qr = q + h * qh;
+        float* s = sc + h * R * kTile;
+        int64_t r = 0;
+        if constexpr (T == 2 || T == 1)
+          for (; r + 4 <= R; r += 4) avx2::dot_blk<4, T>(kl, t, njp, qr + r * D, D, s + r * kTile, kTile);
+        if constexpr (T <= 4)
+          for (; r + 2 <= R; r += 2) avx2::dot_blk<2, T>(kl, t, njp, qr + r * D, D, s + r * kTile, kTile);
+        for (; r < R; ++r) avx2::dot_blk<1, T>(kl, t, njp, qr + r * D, D, s + r * kTile, kTile);
+      }
+    };
+    int64_t t = a;
+    for (; t + TB <= b; t += TB) rows(t, std::integral_constant<int, TB>());
+    for (; t < b; ++t) rows(t, std::integral_constant<int, 1>());
+  }
+
+  template <class MakeKL>
+  void dot_all(int64_t a, int64_t b, int64_t n, const float* q, int64_t qh, const MakeKL& make,
+               int64_t kspan, int64_t vspan) {
+    if (R_ >= 4) {
+      dot_heads<2>(a, b, n, q, qh, make, kspan, vspan);
+    } else if (R_ >= 2) {
+      dot_heads<4>(a, b, n, q, qh, make, kspan, vspan);
+    } else {
+      dot_heads<8>(a, b, n, q, qh, make, kspan, vspan);
+    }
+  }
+
+  /// acc_h[r] += sum_t w(h, r, g, t) v_h(t) for tokens [a, b), every head, in blocks of
+  /// avx2::kTokBlock tokens; the weight of (h, r, group g, t) is w[(h * R + r) * wr + g * wg + t]
+  /// (gc = 0: one group), acc = base + (h * R + r) * D, vl = make(h).
+  template <class MakeVL>
+  void axpy_all(int64_t a, int64_t b, const float* w, int64_t wr, int64_t wg, int64_t gc,
+                float* base, const MakeVL& make) {
+    const int64_t D = P_.D, njp = D / 16, R = R_, H = P_.H;
+    for (int64_t t0 = a; t0 < b; t0 += avx2::kTokBlock) {
+      const int64_t t1 = std::min(b, t0 + avx2::kTokBlock);
+      for (int64_t h = 0; h < H; ++h) {
+        const auto vl = make(h);
+        int64_t r = 0;
+        for (; r + 4 <= R; r += 4)
+          avx2::axpy_tokens<4, 1>(vl, t0, t1, njp, w + (h * R + r) * wr, wr, wg, gc,
+                                  base + (h * R + r) * D, D);
+        for (; r + 2 <= R; r += 2)
+          avx2::axpy_tokens<2, 2>(vl, t0, t1, njp, w + (h * R + r) * wr, wr, wg, gc,
+                                  base + (h * R + r) * D, D);
+        for (; r < R; ++r)
+          avx2::axpy_tokens<1, 4>(vl, t0, t1, njp, w + (h * R + r) * wr, wr, wg, gc,
+                                  base + (h * R + r) * D, D);
+      }
+    }
+  }
+
+  void tile_all(int64_t n) {
+    using V = avx2::V;
+    const auto& pcs = sc_.pieces;
+    const int64_t R = R_, H = P_.H;
+    const Stream& ks0 = ws_.ks[pcs.front().si];
+    const Stream& vs0 = ws_.vs[pcs.front().si];
+    const int64_t t0 = ws_.segs[pcs.front().si].begin + pcs.front().loc0;
+    int64_t kspan = 0, vspan = 0;
+    const int64_t khs = row_ptrs(ws_.ks, sc_.krp.data(), kspan);
+    const int64_t vhs = row_ptrs(ws_.vs, sc_.vrp.data(), vspan);
+    // ---- keys: scores [H, R, n]
+    with_load(ks0.packed ? ks0.load : Load::kF32,
+              [&](auto LC) { score_all<LC.value>(n, khs, kspan, vspan); });
+    // ---- causal mask, online softmax: weights into sc (entries [n, n8) are 0)
+    float* sc = sc_.s.data();
+    const int64_t n8 = (n + 7) & ~int64_t{7};
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t i = i0_ + r / P_.G;
+        const int64_t last = P_.causal ? P_.T - P_.nq + i : P_.T - 1;  // last visible position
+        const int64_t nv = std::min(n, last - t0 + 1);
+        float* s = sc + (h * R + r) * kTile;
+        if (nv <= 0) {  // this query sees none of the tile
+          std::fill(s, s + n8, 0.f);
+          continue;
+        }
+        std::fill(s + nv, s + n8, -std::numeric_limits<float>::infinity());
+        const std::size_t st = static_cast<std::size_t>(h * R + r);
+        V mv = _mm256_loadu_ps(s);
+        for (int64_t t = 8; t < n8; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float mnew = std::max(sc_.m[st], _mm_cvtss_f32(m4));
+        if (mnew != sc_.m[st]) {
+          const float alpha = exp_neg(sc_.m[st] - mnew);
+          sc_.m[st] = mnew;
+          sc_.l[st] *= alpha;
+          rescale(row_acc(sc_.acc.data(), h, r), alpha);
+          if (P_.v_ctx != nullptr) {
+            rescale(row_acc(sc_.acc_rot.data(), h, r), alpha);
+            rescale(row_acc(sc_.sacc.data(), h, r), alpha);
+            sc_.sconst[st] *= alpha;
+          }
+        }
+        V sum = _mm256_setzero_ps();
+        const V mneg = _mm256_set1_ps(-mnew);
+        for (int64_t t = 0; t < n8; t += 8) {
+          const V e = Simd256::exp(_mm256_add_ps(_mm256_loadu_ps(s + t), mneg));
+          _mm256_storeu_ps(s + t, e);
+          sum = _mm256_add_ps(sum, e);
+        }
+        sc_.l[st] += Simd256::reduce(sum);
+      }
+    // ---- values
+    with_load(vs0.packed ? vs0.load : Load::kF32,
+              [&](auto LC) { accumulate_all<LC.value>(n, vhs); });
+  }
+
+  template <Load L>
+  void score_all(int64_t n, int64_t hs, int64_t kspan, int64_t vspan) {
+    using V = avx2::V;
+    const auto& pcs = sc_.pieces;
+    const int64_t D = P_.D, R = R_, H = P_.H, HR = P_.nq * P_.G;
+    const Stream& ks0 = ws_.ks[pcs.front().si];
+    const float* qs = ws_.qs.data() + i0_ * P_.G * D;  // head h at + h * HR * D
+    float* sc = sc_.s.data();
+    float* ms = sc_.kms.data();
+    float* mz = sc_.kmz.data();
+    const uint8_t* const* rp = sc_.krp.data();
+    const float* lut = ks0.lut;
+    auto plain = [rp, hs, lut](int64_t h) {
+      const int64_t off = h * hs;
+      return [rp, off, lut](int64_t t, int64_t jp) { return avx2::ld2<L>(rp[t] + off, jp, lut); };
+    };
+    if (!ks0.packed || ks0.raw) {
+      dot_all(0, n, n, qs, HR * D, plain, kspan, vspan);
+      return;
+    }
+    if (ks0.lm) {
+      meta_tile(ws_.ks, n, 1, ms, mz);
+      const float* qr = ws_.qrot.data() + i0_ * P_.G * D;
+      dot_all(0, n, n, qr, HR * D, plain, kspan, vspan);
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t t = 0; t < n; ++t) sc[(h * R + r) * kTile + t] *= ms[h * kTile + t];
+      return;
+    }
+    switch (ks0.scale) {
+      case Scale::kRow: {
+        meta_tile(ws_.ks, n, 1, ms, mz);
+        dot_all(0, n, n, qs, HR * D, plain, kspan, vspan);
+        for (int64_t h = 0; h < H; ++h) {
+          const float* qsum = ws_.qsum.data() + h * HR + i0_ * P_.G;
+          for (int64_t r = 0; r < R; ++r) {
+            float* o = sc + (h * R + r) * kTile;
+            const float qr = qsum[r];
+            const float* hms = ms + h * kTile;
+            const float* hmz = mz + h * kTile;
+            for (int64_t t = 0; t < n; ++t) o[t] = std::fma(hms[t], o[t], hmz[t] * qr);
+          }
+        }
+        return;
+      }
+      case Scale::kGroup: {
+        const int64_t gc = ks0.box.gc, ng = D / gc;
+        meta_tile(ws_.ks, n, ng, ms, mz);
+        auto deq = [rp, hs, lut, gc, ng, ms, mz](int64_t h) {
+          const int64_t off = h * hs;
+          const float* hms = ms + h * ng * kTile;
+          const float* hmz = mz + h * ng * kTile;
+          return [rp, off, lut, gc, hms, hmz](int64_t t, int64_t jp) {
+            avx2::V2 x = avx2::ld2<L>(rp[t] + off, jp, lut);
+            const int64_t g = (16 * jp / gc) * kTile + t;
+            const V s = _mm256_broadcast_ss(hms + g), z = _mm256_broadcast_ss(hmz + g);
+            x.a = _mm256_fmadd_ps(x.a, s, z);
+            x.b = _mm256_fmadd_ps(x.b, s, z);
+            return x;
+          };
+        };
+        dot_all(0, n, n, qs, HR * D, deq, kspan, vspan);
+        return;
+      }
+      default: {  // kChannel: per block, the block's scales folded into the queries
+        float* qf = sc_.qf.data();  // [H, R, D]
+        float* qz = sc_.qz.data();  // [H, R]
+        for (const Piece& p : pcs) {
+          for (int64_t h = 0; h < H; ++h) {
+            meta_channel(ws_.ks[p.si], p.loc0, h, ms, mz);
+            for (int64_t r = 0; r < R; ++r) {
+              V z = _mm256_setzero_ps();
+              const float* qr = qs + h * HR * D + r * D;
+              float* f = qf + (h * R + r) * D;
+              for (int64_t j = 0; j < D; j += 8) {
+                const V q = _mm256_loadu_ps(qr + j);
+                _mm256_storeu_ps(f + j, _mm256_mul_ps(q, _mm256_loadu_ps(ms + j)));
+                z = _mm256_fmadd_ps(q, _mm256_loadu_ps(mz + j), z);
+              }
+              qz[h * R + r] = Simd256::reduce(z);
+            }
+          }
+          dot_all(p.o, p.o + p.n, n, qf, R * D, plain, kspan, vspan);
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t r = 0; r < R; ++r) {
+              float* o = sc + (h * R + r) * kTile + p.o;
+              const float z = qz[h * R + r];
+              for (int64_t t = 0; t < p.n; ++t) o[t] += z;
+            }
+        }
+        return;
+      }
+    }
+  }
+
+  template <Load L>
+  void accumulate_all(int64_t n, int64_t hs) {
+    using V = avx2::V;
+    const auto& pcs = sc_.pieces;
+    const int64_t D = P_.D, R = R_, H = P_.H;
+    const Stream& vs0 = ws_.vs[pcs.front().si];
+    const float* p = sc_.s.data();
+    float* ms = sc_.vms.data();
+    float* mz = sc_.vmz.data();
+    const uint8_t* const* rp = sc_.vrp.data();
+    const float* lut = vs0.lut;
+    const int64_t n8 = (n + 7) & ~int64_t{7};
+    auto plain = [rp, hs, lut](int64_t h) {
+      const int64_t off = h * hs;
+      return [rp, off, lut](int64_t t, int64_t jp) { return avx2::ld2<L>(rp[t] + off, jp, lut); };
+    };
+    if (!vs0.packed || vs0.raw) {
+      axpy_all(0, n, p, kTile, 0, 0, sc_.acc.data(), plain);
+      return;
+    }
+    if (vs0.scale == Scale::kChannel && !vs0.lm) {
+      // the block's per-channel vectors, [H, D], dequantized in the loader
+      for (const Piece& pc : pcs) {
+        for (int64_t h = 0; h < H; ++h)
+          meta_channel(ws_.vs[pc.si], pc.loc0, h, ms + h * D, mz + h * D);
+        auto deq = [rp, hs, lut, ms, mz, D](int64_t h) {
+          const int64_t off = h * hs;
+          const float* hms = ms + h * D;
+          const float* hmz = mz + h * D;
+          return [rp, off, lut, hms, hmz](int64_t t, int64_t jp) {
+            avx2::V2 x = avx2::ld2<L>(rp[t] + off, jp, lut);
+            x.a = _mm256_fmadd_ps(x.a, _mm256_loadu_ps(hms + 16 * jp), _mm256_loadu_ps(hmz + 16 * jp));
+            x.b = _mm256_fmadd_ps(x.b, _mm256_loadu_ps(hms + 16 * jp + 8),
+                                  _mm256_loadu_ps(hmz + 16 * jp + 8));
+            return x;
+          };
+        };
+        axpy_all(pc.o, pc.o + pc.n, p, kTile, 0, 0, sc_.acc.data(), deq);
+      }
+      return;
+    }
+    if (vs0.lm || vs0.scale == Scale::kRow) {
+      // w = p * s (row scale or norm); zero points: one scalar per row.
+      meta_tile(ws_.vs, n, 1, ms, mz);
+      float* w = sc_.w.data();
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = 0; r < R; ++r) {
+          V zs = _mm256_setzero_ps();
+          const float* pr = p + (h * R + r) * kTile;
+          float* wr = w + (h * R + r) * kTile;
+          for (int64_t t = 0; t < n8; t += 8) {
+            const V pv = _mm256_loadu_ps(pr + t);
+            _mm256_storeu_ps(wr + t, _mm256_mul_ps(pv, _mm256_loadu_ps(ms + h * kTile + t)));
+            zs = _mm256_fmadd_ps(pv, _mm256_loadu_ps(mz + h * kTile + t), zs);
+          }
+          sc_.zacc[static_cast<std::size_t>(h * R + r)] = Simd256::reduce(zs);
+        }
+      float* acc = vs0.lm ? sc_.acc_rot.data() : sc_.acc.data();
+      axpy_all(0, n, w, kTile, 0, 0, acc, plain);
+      if (!vs0.lm && (vs0.zeros || vs0.off != 0.f)) {
+        for (int64_t hr = 0; hr < H * R; ++hr) {
+          float* a = acc + hr * D;
+          const V z = _mm256_set1_ps(sc_.zacc[static_cast<std::size_t>(hr)]);
+          for (int64_t j = 0; j < D; j += 8) _mm256_storeu_ps(a + j, _mm256_add_ps(_mm256_loadu_ps(a + j), z));
+        }
+      }
+      return;
+    }
+    // kGroup: w'[h, r, g, t] = p[h, r, t] * s[h, g, t]; zero points: one sum per row and group.
+    const int64_t gc = vs0.box.gc, ng = D / gc;
+    meta_tile(ws_.vs, n, ng, ms, mz);
+    float* wg = sc_.wg.data();
+    float* zg = sc_.zg.data();
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t g = 0; g < ng; ++g) {
+          V zs = _mm256_setzero_ps();
+          const float* pr = p + (h * R + r) * kTile;
+          const float* gs = ms + (h * ng + g) * kTile;
+          const float* gz = mz + (h * ng + g) * kTile;
+          float* wo = wg + ((h * R + r) * ng + g) * kTile;
+          for (int64_t t = 0; t < n8; t += 8) {
+            const V pv = _mm256_loadu_ps(pr + t);
+            _mm256_storeu_ps(wo + t, _mm256_mul_ps(pv, _mm256_loadu_ps(gs + t)));
+            zs = _mm256_fmadd_ps(pv, _mm256_loadu_ps(gz + t), zs);
+          }
+          zg[(h * R + r) * ng + g] = Simd256::reduce(zs);
+        }
+    float* acc = sc_.acc.data();
+    axpy_all(0, n, wg, ng * kTile, kTile, gc, acc, plain);
+    for (int64_t hr = 0; hr < H * R; ++hr)
+      for (int64_t g = 0; g < ng; ++g) {
+        const V z = _mm256_set1_ps(zg[hr * ng + g]);
+        float* a = acc + hr * D + g * gc;
+        for (int64_t j = 0; j < gc; j += 8) _mm256_storeu_ps(a + j, _mm256_add_ps(_mm256_loadu_ps(a + j), z));
+      }
+  }
+#endif
 
   void tile(const CacheSegment& seg, const Stream& ks, const Stream& vs, int64_t h, int64_t t0,
             int64_t t1) {

@@ -22,6 +22,10 @@ namespace kvq {
 namespace kernels {
 namespace attn {
 
+/// How the codes of a stored row are read (raw f32/f16/bf16, unsigned integer codes of 8/4/2
+/// bits, fp8, Lloyd-Max codes through a centroid table).
+enum class Load : uint8_t { kF32, kF16, kBF16, kU8, kU4, kU2, kE4M3, kE5M2, kLut8, kLut4 };
+
 /// fp32 exp for softmax weights (arguments <= 0; -inf gives 0): Cody-Waite reduction by ln 2
 /// and a degree-7 Taylor polynomial on |r| <= ln2/2 (truncation error < 3e-9 relative), then
 /// scaling by 2^n. Written as one scalar formula so all three paths compute the same function.
