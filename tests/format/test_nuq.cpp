@@ -95,9 +95,31 @@ TEST(NuqKMeans, WeightsPullCentroids) {
 
 TEST(NuqKMeans, FewDistinctValuesStayAscending) {
   const std::vector<float> x(50, 0.25f);
+  // One distinct value: every sample in the first cell, whose centroid is the value itself
+  // (zero distortion); the empty cells are spread 1e-6 apart above it (the documented step).
+  const auto r = kvq::weighted_kmeans_1d(x, nullptr, 8);
+  EXPECT_TRUE(r.converged);
+  EXPECT_EQ(r.distortion, 0.0);
   const auto cb = kvq::learn_nuq_codebook(x, nullptr, 3);
-  for (int i = 1; i < cb.size(); ++i) EXPECT_GT(cb.levels[i], cb.levels[i - 1]);
-  EXPECT_NO_THROW(kvq::check_nuq_levels(cb.levels.data(), 3));
+  EXPECT_EQ(cb.levels[0], 0.25f);
+  for (int i = 1; i < cb.size(); ++i) {
+    EXPECT_GT(cb.levels[i], cb.levels[i - 1]);
+    EXPECT_FLOAT_EQ(cb.levels[i], static_cast<float>(0.25 + 1e-6 * i)) << i;
+  }
+  // The value encodes to level 0 and decodes exactly.
+  float thr[kvq::kNuqMaxLevels];
+  kvq::nuq_thresholds(cb.levels.data(), cb.size(), thr);
+  EXPECT_EQ(kvq::codebook_encode(thr, 3, 0.25f), 0);
+  // Two distinct values, k = 4: the quantile seeds are 0, 0, 1, 1; the duplicates are spread
+  // 1e-6 above and the empty cells keep them, so two centroids sit exactly on the values.
+  std::vector<float> y(40, 0.f);
+  for (std::size_t i = 0; i < y.size(); i += 2) y[i] = 1.f;
+  const auto r2 = kvq::weighted_kmeans_1d(y, nullptr, 4);
+  EXPECT_EQ(r2.distortion, 0.0);
+  EXPECT_EQ(r2.centroids[0], 0.0);
+  EXPECT_DOUBLE_EQ(r2.centroids[1], 1e-6);
+  EXPECT_EQ(r2.centroids[2], 1.0);
+  EXPECT_DOUBLE_EQ(r2.centroids[3], 1.0 + 1e-6);
 }
 
 TEST(NuqKMeans, BadInputRejected) {

@@ -80,15 +80,31 @@ TEST(Calibrate, LearnsDeterministicCodebooksThatBeatTheGrid) {
   const kvq::Policy a = kvq::calibrate(p, data);
   const kvq::Policy b = kvq::calibrate(p, data);
   EXPECT_EQ(a, b);
-  EXPECT_NO_THROW(kvq::check_calibrated(a, 2));
+  // Every layer's key (nuq3: 8 levels) and value (nuq2: 4 levels) codebook: calibrated, the
+  // spec's normalization kept, strictly ascending inside the normalized range [0, 1], with
+  // the extreme levels near the ends (every group contributes its min at u = 0 and its max at
+  // u = 1); and learned per layer (the two layers' data differ, so do their codebooks).
   for (int l = 0; l < 2; ++l) {
     const kvq::QuantConfig k = a.key_for(l, 2), v = a.value_for(l, 2);
     ASSERT_TRUE(k.nuq_ready && v.nuq_ready);
     EXPECT_EQ(k.outliers, 1);
-    // Levels in the normalized range [0, 1].
-    EXPECT_GE(k.nuq_levels[0], 0.f);
-    EXPECT_LE(k.nuq_levels[7], 1.f);
+    EXPECT_EQ(k.bits, 3);
+    EXPECT_EQ(v.bits, 2);
+    EXPECT_EQ(k.axis, kvq::Axis::kChannel);
+    EXPECT_EQ(v.group, 16);
+    for (const auto* c : {&k, &v}) {
+      const int n = 1 << c->bits;
+      EXPECT_GE(c->nuq_levels[0], 0.f);
+      EXPECT_LT(c->nuq_levels[0], 0.2f);
+      EXPECT_GT(c->nuq_levels[static_cast<std::size_t>(n - 1)], 0.8f);
+      EXPECT_LE(c->nuq_levels[static_cast<std::size_t>(n - 1)], 1.f);
+      for (int i = 1; i < n; ++i)
+        EXPECT_GT(c->nuq_levels[static_cast<std::size_t>(i)],
+                  c->nuq_levels[static_cast<std::size_t>(i - 1)]);
+    }
   }
+  EXPECT_NE(a.key_for(0, 2).nuq_levels, a.key_for(1, 2).nuq_levels);
+  EXPECT_NE(a.value_for(0, 2).nuq_levels, a.value_for(1, 2).nuq_levels);
   // On its own calibration data the learned 2-bit value codebook beats the uniform grid.
   const kvq::QuantConfig vc = a.value_for(0, 2);
   kvq::QuantConfig grid = vc;
@@ -137,7 +153,15 @@ TEST(Calibrate, BadFilesRejectedClearly) {
   const auto data = synthetic_set(2, 64, false, 4);
   const kvq::Policy p = kvq::calibrate(kvq::parse_policy("k=nuq2/channel/g32,v=int4"), data);
   const std::string good = kvq::calibration_json(p, 2);
-  ASSERT_NO_THROW(kvq::parse_calibration(good, "good"));
+  // The untouched file parses back to the same policy and codebooks (exact: 9 digits).
+  const kvq::CalibrationFile f = kvq::parse_calibration(good, "good");
+  ASSERT_EQ(f.n_layers, 2);
+  EXPECT_EQ(f.policy, p);
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_TRUE(f.policy.key_for(l, 2).nuq_ready);
+    EXPECT_EQ(f.policy.key_for(l, 2).nuq_levels, p.key_for(l, 2).nuq_levels);
+    EXPECT_EQ(f.policy.value_for(l, 2).format, kvq::Format::kInt);
+  }
   auto expect_bad = [&](std::string text, const std::string& needle) {
     try {
       kvq::parse_calibration(text, "bad.json");
