@@ -308,6 +308,9 @@ TEST(OutlierQuant, FusedAndSlabPathsMatchOracle) {
                     {kvq::Axis::kToken, 64, {8, 2, 64}, 0.f, 64},   // every entry an outlier
                     {kvq::Axis::kToken, 12, {8, 2, 36}, 0.f, 2},    // group not a multiple of 8
                     {kvq::Axis::kChannel, 32, {640, 2, 64}, 1.f, 0},  // several slabs
+                    {kvq::Axis::kChannel, 16, {48, 2, 128}, 1.f, 0},  // k = 2
+                    {kvq::Axis::kChannel, 8, {64, 3, 32}, 0.f, 4},    // k = 4
+                    {kvq::Axis::kChannel, 4, {16, 1, 16}, 0.f, 16},   // every entry
                     {kvq::Axis::kHead, 16, {512, 4, 32}, 0.f, 2},
                     {kvq::Axis::kChannel, 1, {8200, 1, 5}, 0.f, 1}};  // slab alignment search
   for (const F& f : fmts)
@@ -330,6 +333,16 @@ TEST(OutlierQuant, FusedAndSlabPathsMatchOracle) {
         EXPECT_EQ(q.outlier_pos, ref.outlier_pos) << what;
       };
       expect_ref(kvq::quantize(cfg, xv), "f32");
+      // Few distinct values: many exactly equal scores (ties broken by the lower channel).
+      std::vector<float> xc(x.size());
+      for (std::size_t i = 0; i < x.size(); ++i) xc[i] = std::round(std::fmod(x[i], 3.f));
+      const kvq::KVView<const float> cv(xc.data(), g.s);
+      const kvq::QTensor refc = kvq::reference::quantize_with_outliers(cfg, cv);
+      const kvq::QTensor qc = kvq::quantize(cfg, cv);
+      EXPECT_EQ(qc.codes, refc.codes) << "coarse";
+      EXPECT_EQ(qc.scales.raw(), refc.scales.raw()) << "coarse";
+      EXPECT_EQ(qc.outlier_values, refc.outlier_values) << "coarse";
+      EXPECT_EQ(qc.outlier_pos, refc.outlier_pos) << "coarse";
       // f16 input: the oracle on the same f16 values.
       std::vector<kvq::f16> xh(x.size());
       kvq::convert(x.data(), xh.data(), x.size());

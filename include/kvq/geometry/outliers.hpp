@@ -161,6 +161,57 @@ inline __m256 hmin8(__m256 m) {
   return _mm256_min_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
 }
 
+/// The end of a register top-k (K = k <= 4) over score[0..D) (D % 8 == 0, scores >= 0): `top`
+/// holds each lane's K largest scores. The k-th largest score T of the row is the k-th largest
+/// of the lanes' lists; the selection is every score > T (fewer than k) and then the lowest
+/// channels with score == T, written ascending to sel[0..k).
+template <int K>
+inline void finish_top_k(__m256* top, const float* score, int64_t D, int64_t k, int32_t* sel) {
+  // Take the largest value M with its multiplicity c until c covers what is left of k.
+  __m256 tv = _mm256_set1_ps(-1.f);
+  for (int64_t left = k; left > 0;) {
+    __m256 m = top[0];
+    for (int t = 1; t < K; ++t) m = _mm256_max_ps(m, top[t]);
+    tv = hmax8(m);
+    int c = 0;
+    for (int t = 0; t < K; ++t) {
+      const __m256 eq_ = _mm256_cmp_ps(top[t], tv, _CMP_EQ_OQ);
+      c += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(eq_)));
+      top[t] = _mm256_blendv_ps(top[t], _mm256_set1_ps(-2.f), eq_);
+    }
+    left -= c;
+  }
+  int n_gt = 0, n_eq = 0;
+  int32_t eq[K] = {};
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 v = _mm256_loadu_ps(score + d);
+    unsigned gt = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_GT_OQ)));
+    unsigned e = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_EQ_OQ)));
+    if ((gt | e) == 0) continue;
+    for (; gt != 0; gt &= gt - 1) sel[n_gt++] = static_cast<int32_t>(d) + __builtin_ctz(gt);
+    for (; e != 0 && n_eq < K; e &= e - 1) eq[n_eq++] = static_cast<int32_t>(d) + __builtin_ctz(e);
+  }
+  for (int j = 0; n_gt < k; ++j) {  // merge: sel stays ascending
+    const int32_t at = eq[j];
+    int i = n_gt++;
+    while (i > 0 && sel[i - 1] > at) {
+      sel[i] = sel[i - 1];
+      --i;
+    }
+    sel[i] = at;
+  }
+}
+
+/// Inserts the 8 scores v into each lane's descending top-K list.
+template <int K>
+inline void top_k_insert(__m256* top, __m256 v) {
+  for (int t = 0; t < K; ++t) {
+    const __m256 hi_ = _mm256_max_ps(top[t], v);
+    v = _mm256_min_ps(top[t], v);
+    top[t] = hi_;
+  }
+}
+
 /// Per group j of four: (p0 + p1) + (p2 + p3) of s[j]'s lanes, as lane j of the result.
 inline __m256d combine4x4(const __m256d* s) {
   const __m256d t01 = _mm256_hadd_pd(s[0], s[1]);  // [a01, b01, a23, b23]
@@ -230,54 +281,13 @@ inline bool isolate_row_avx2_k(const float* r, int64_t D, int64_t gc, int64_t k,
             _mm256_set_m128(_mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, d1), ij)),
                             _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, d0), ij)));
         _mm256_storeu_ps(out + i, s8);
-        if constexpr (K > 0) {
-          __m256 v = s8;
-          for (int t = 0; t < K; ++t) {
-            const __m256 hi_ = _mm256_max_ps(top[t], v);
-            v = _mm256_min_ps(top[t], v);
-            top[t] = hi_;
-          }
-        }
+        if constexpr (K > 0) top_k_insert<K>(top, s8);
       }
     }
   }
   const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   if constexpr (K > 0) {
-    // The k-th largest score T of the row is the k-th largest of the lanes' top-k lists; the
-    // selection is every score > T (fewer than k) and then the lowest channels with score == T.
-    // Take the largest value M with its multiplicity c until c covers what is left of k.
-    __m256 tv = _mm256_set1_ps(-1.f);
-    for (int64_t left = k; left > 0;) {
-      __m256 m = top[0];
-      for (int t = 1; t < K; ++t) m = _mm256_max_ps(m, top[t]);
-      tv = hmax8(m);
-      int c = 0;
-      for (int t = 0; t < K; ++t) {
-        const __m256 eq_ = _mm256_cmp_ps(top[t], tv, _CMP_EQ_OQ);
-        c += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(eq_)));
-        top[t] = _mm256_blendv_ps(top[t], _mm256_set1_ps(-2.f), eq_);
-      }
-      left -= c;
-    }
-    int n_gt = 0, n_eq = 0;
-    int32_t eq[K > 0 ? K : 1] = {};
-    for (int64_t d = 0; d < D; d += 8) {
-      const __m256 v = _mm256_loadu_ps(score + d);
-      unsigned gt = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_GT_OQ)));
-      unsigned e = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_EQ_OQ)));
-      if ((gt | e) == 0) continue;
-      for (; gt != 0; gt &= gt - 1) sel[n_gt++] = static_cast<int32_t>(d) + __builtin_ctz(gt);
-      for (; e != 0 && n_eq < K; e &= e - 1) eq[n_eq++] = static_cast<int32_t>(d) + __builtin_ctz(e);
-    }
-    for (int j = 0; n_gt < k; ++j) {  // merge: sel stays ascending
-      const int32_t at = eq[j];
-      int i = n_gt++;
-      while (i > 0 && sel[i - 1] > at) {
-        sel[i] = sel[i - 1];
-        --i;
-      }
-      sel[i] = at;
-    }
+    finish_top_k<K>(top, score, D, k, sel);
   } else {
   // Top k: scores are finite and >= 0, so a taken channel is marked -1.
   for (int64_t j = 0; j < k; ++j) {
@@ -350,6 +360,118 @@ inline bool isolate_row_avx2_k(const float* r, int64_t D, int64_t gc, int64_t k,
   return true;
 }
 
+/// AVX2 isolate_outliers for the channel axis (boxes of G tokens of one channel), K = k <= 4,
+/// head_dim % 8 == 0, finite x: per (token block, head) the channel sums run four channels per
+/// vector down the block's tokens (each box's single partial, in token order, as the scalar
+/// path), scores and the register top-k per token, the non-selected range per channel with the
+/// selected lanes blended to +-inf, then the dense replacement.
+template <int K>
+inline void isolate_channel_avx2(const Shape& s, const GroupBox& box, float* x, int32_t* sel,
+                                 float* vals, OutlierScratch& sc) {
+  const int64_t H = s.heads, D = s.head_dim, G = box.gt, k = K;
+  const auto uD = static_cast<std::size_t>(D);
+  double* mean = grow(sc.mean, uD);
+  double* isd = grow(sc.sd, uD);
+  double* acc = grow(sc.part, uD);
+  float* lo = grow(sc.lo, uD);
+  float* hi = grow(sc.hi, uD);
+  float* score = grow(sc.score, uD);
+  uint8_t* bits = grow(sc.mark, static_cast<std::size_t>(G) * uD / 8);
+  const __m256d inv_n = _mm256_set1_pd(1.0 / static_cast<double>(G));
+  const __m256d zero_d = _mm256_setzero_pd(), sign_d = _mm256_set1_pd(-0.0);
+  const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256 ninf8 = _mm256_sub_ps(_mm256_setzero_ps(), inf8);
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int64_t t0 = 0; t0 < s.tokens; t0 += G)
+    for (int64_t h = 0; h < H; ++h) {
+      auto row = [&](int64_t t) { return x + ((t0 + t) * H + h) * D; };
+      for (int64_t d = 0; d < D; d += 4) _mm256_storeu_pd(acc + d, zero_d);
+      for (int64_t t = 0; t < G; ++t) {
+        const float* r = row(t);
+        for (int64_t d = 0; d < D; d += 4)
+          _mm256_storeu_pd(acc + d, _mm256_add_pd(_mm256_loadu_pd(acc + d),
+                                                  _mm256_cvtps_pd(_mm_loadu_ps(r + d))));
+      }
+      for (int64_t d = 0; d < D; d += 4) {
+        _mm256_storeu_pd(mean + d, _mm256_mul_pd(_mm256_loadu_pd(acc + d), inv_n));
+        _mm256_storeu_pd(acc + d, zero_d);
+      }
+      for (int64_t t = 0; t < G; ++t) {
+        const float* r = row(t);
+        for (int64_t d = 0; d < D; d += 4) {
+          const __m256d dv =
+              _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(r + d)), _mm256_loadu_pd(mean + d));
+          _mm256_storeu_pd(acc + d, _mm256_fmadd_pd(dv, dv, _mm256_loadu_pd(acc + d)));
+        }
+      }
+      for (int64_t d = 0; d < D; d += 4) {
+        const __m256d sd = _mm256_sqrt_pd(_mm256_mul_pd(_mm256_loadu_pd(acc + d), inv_n));
+        _mm256_storeu_pd(isd + d, _mm256_and_pd(_mm256_cmp_pd(sd, zero_d, _CMP_GT_OQ),
+                                                _mm256_div_pd(_mm256_set1_pd(1.0), sd)));
+      }
+      // Selection per token (vector v = (t0 + t) * H + h).
+      std::fill(bits, bits + G * D / 8, uint8_t{0});
+      for (int64_t t = 0; t < G; ++t) {
+        const float* r = row(t);
+        __m256 top[K];
+        for (auto& q : top) q = _mm256_set1_ps(-1.f);
+        for (int64_t d = 0; d < D; d += 8) {
+          auto sc4 = [&](int64_t e) {
+            const __m256d dv =
+                _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(r + e)), _mm256_loadu_pd(mean + e));
+            return _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, dv), _mm256_loadu_pd(isd + e)));
+          };
+          const __m256 s8 = _mm256_set_m128(sc4(d + 4), sc4(d));
+          _mm256_storeu_ps(score + d, s8);
+          top_k_insert<K>(top, s8);
+        }
+        const int64_t v = (t0 + t) * H + h;
+        int32_t* sl = sel + v * k;
+        finish_top_k<K>(top, score, D, k, sl);
+        uint8_t* bt = bits + t * D / 8;
+        for (int64_t j = 0; j < k; ++j) {
+          vals[v * k + j] = r[sl[j]];
+          bt[sl[j] >> 3] |= static_cast<uint8_t>(1u << (sl[j] & 7));
+        }
+      }
+      // Non-selected range per channel.
+      for (int64_t d = 0; d < D; d += 8) {
+        _mm256_storeu_ps(lo + d, inf8);
+        _mm256_storeu_ps(hi + d, ninf8);
+      }
+      for (int64_t t = 0; t < G; ++t) {
+        const float* r = row(t);
+        const uint8_t* bt = bits + t * D / 8;
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 v = _mm256_loadu_ps(r + d);
+          const __m256 m = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+              _mm256_and_si256(_mm256_set1_epi32(bt[d >> 3]), lane_bit), lane_bit));
+          _mm256_storeu_ps(lo + d, _mm256_min_ps(_mm256_loadu_ps(lo + d), _mm256_blendv_ps(v, inf8, m)));
+          _mm256_storeu_ps(hi + d, _mm256_max_ps(_mm256_loadu_ps(hi + d), _mm256_blendv_ps(v, ninf8, m)));
+        }
+      }
+      auto selected = [&](int64_t t, int64_t d) { return (bits[t * D / 8 + (d >> 3)] >> (d & 7)) & 1; };
+      for (int64_t d = 0; d < D; ++d) {  // a zero bound: the sign of the first zero in token order
+        for (float* b : {lo + d, hi + d}) {
+          if (*b != 0.f) continue;
+          for (int64_t t = 0; t < G; ++t)
+            if (!selected(t, d) && row(t)[d] == 0.f) {
+              *b = row(t)[d];
+              break;
+            }
+        }
+      }
+      for (int64_t t = 0; t < G; ++t) {
+        const int64_t v = (t0 + t) * H + h;
+        float* r = row(t);
+        for (int64_t j = 0; j < k; ++j) {
+          const int32_t d = sel[v * k + j];
+          r[d] = dense_value(vals[v * k + j], lo[d], hi[d], mean[d]);
+        }
+      }
+    }
+}
+
 inline bool isolate_row_avx2(const float* r, int64_t D, int64_t gc, int64_t k, float* dense,
                              int32_t* sel, float* vals, float* lo, float* hi,
                              OutlierScratch& sc) {
@@ -390,6 +512,25 @@ inline void isolate_outliers(const Shape& s, Axis axis, int64_t group, int64_t k
   KVQ_REQUIRE(k >= 0 && k <= D, kInvalidArgument, k, " outliers per vector but head_dim is ", D);
   if (k == 0 || s.numel() == 0) return;
   const GroupBox box = group_box(axis, group, s);
+#if KVQ_HAS_AVX2
+  if (axis == Axis::kChannel && D % 8 == 0 && k <= 4) {
+    // Finite input only (NaN would stall the top-k): anything else takes the scalar path.
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+    __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int64_t i = 0; i < s.numel(); i += 8)
+      ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), abs_mask), inf8,
+                                           _CMP_LT_OQ));
+    if (_mm256_movemask_ps(ok) == 0xff) {
+      switch (k) {
+        case 1: return detail::isolate_channel_avx2<1>(s, box, x, sel, vals, sc);
+        case 2: return detail::isolate_channel_avx2<2>(s, box, x, sel, vals, sc);
+        case 3: return detail::isolate_channel_avx2<3>(s, box, x, sel, vals, sc);
+        default: return detail::isolate_channel_avx2<4>(s, box, x, sel, vals, sc);
+      }
+    }
+  }
+#endif
   if (axis == Axis::kToken) {  // boxes inside one vector: row by row
     const auto nc = static_cast<std::size_t>(box.nc);
     float* rl = detail::grow(sc.lo, nc);
