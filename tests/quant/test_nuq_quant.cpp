@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 #include "kvq/accounting/accountant.hpp"
@@ -116,6 +117,61 @@ TEST(NuqQuant, EffectiveBitsLikeAsymmetricInt) {
   EXPECT_DOUBLE_EQ(kvq::effective_bits(nuq_cfg(3, kvq::Axis::kChannel, 32), s), 4.0);
   EXPECT_DOUBLE_EQ(kvq::effective_bits(nuq_cfg(2, kvq::Axis::kToken, 32), s), 3.0);
   EXPECT_EQ(kvq::nuq_codebook_bytes(3), 32u);
+}
+
+
+// The per-token row path (AVX2: codes packed 64 at a time, a ChunkWriter tail when head_dim is
+// not a multiple of 64) against the oracle: every bit width, f16/f32 metadata, f32/f16/strided
+// input, group 8..head_dim; errors as the grouped driver reports them.
+TEST(NuqQuant, TokenRowsMatchOracle) {
+  for (int bits : {2, 3, 4})
+    for (int64_t D : {64, 136})
+      for (int64_t group : {8, 0})
+        for (kvq::MetaDType meta : {kvq::MetaDType::kF16, kvq::MetaDType::kF32}) {
+          kvq::QuantConfig cfg = nuq_cfg(bits, kvq::Axis::kToken, group);
+          cfg.meta = meta;
+          const kvq::Shape s{12, 3, D};
+          auto x = kvq_test::kv_data(s, 11, true);
+          for (std::size_t i = 0; i < x.size(); i += 23) x[i] = 0.5f;  // ties with thresholds' inputs
+          SCOPED_TRACE(cfg.name() + " " + s.str());
+          const kvq::KVView<const float> xv(x.data(), s);
+          const kvq::QTensor ref = kvq::reference::quantize_nuq(cfg, xv);
+          const kvq::QTensor fast = kvq::quantize(cfg, xv);
+          EXPECT_EQ(fast.codes, ref.codes);
+          EXPECT_EQ(fast.scales.raw(), ref.scales.raw());
+          EXPECT_EQ(fast.zeros.raw(), ref.zeros.raw());
+          std::vector<kvq::f16> xh(x.size());
+          kvq::convert(x.data(), xh.data(), x.size());
+          const kvq::KVView<const kvq::f16> hv(xh.data(), s);
+          EXPECT_EQ(kvq::quantize(cfg, hv).codes, kvq::reference::quantize_nuq(cfg, hv).codes);
+          std::vector<float> hnd(x.size());
+          for (int64_t t = 0; t < s.tokens; ++t)
+            for (int64_t h = 0; h < s.heads; ++h)
+              for (int64_t d = 0; d < D; ++d)
+                hnd[static_cast<std::size_t>((h * s.tokens + t) * D + d)] =
+                    x[static_cast<std::size_t>((t * s.heads + h) * D + d)];
+          const kvq::KVView<const float> sv(hnd.data(), s, kvq::Strides{D, s.tokens * D, 1});
+          EXPECT_EQ(kvq::quantize(cfg, sv).codes, ref.codes);
+        }
+  const kvq::Shape s{4, 2, 64};
+  auto x = kvq_test::kv_data(s, 2, false);
+  x[(2 * 2 + 1) * 64 + 9] = INFINITY;
+  try {
+    kvq::quantize(nuq_cfg(3, kvq::Axis::kToken, 32), kvq::KVView<const float>(x.data(), s));
+    FAIL() << "no throw";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.kind(), kvq::ErrorKind::kNonFinite);
+    EXPECT_NE(std::string(e.what()).find("token=2, head=1, channel=9"), std::string::npos) << e.what();
+  }
+  x[(2 * 2 + 1) * 64 + 9] = 1.f;
+  x[(1 * 2 + 0) * 64 + 40] = -1e6f;  // group 3 of vector 2: zero point beyond fp16
+  try {
+    kvq::quantize(nuq_cfg(3, kvq::Axis::kToken, 32), kvq::KVView<const float>(x.data(), s));
+    FAIL() << "no throw";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
+    EXPECT_NE(std::string(e.what()).find("group 5"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

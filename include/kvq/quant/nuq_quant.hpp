@@ -6,14 +6,18 @@
 /// codebook (format/nuq.hpp). Same metadata regions as asymmetric int (one scale and one zero
 /// per group box) and the same b-bit bitstream; the codebook itself is per-layer metadata in
 /// the config. reference/nuq_ref.hpp is the scalar oracle (identical bytes). Encoding counts the
-/// thresholds <= u, 16 lanes (AVX-512) or 8 (AVX2) at a time, scalar otherwise.
+/// thresholds <= u, 16 lanes (AVX-512) or 8 (AVX2) at a time, scalar otherwise. With AVX2 the
+/// token axis (groups a multiple of 8 channels) runs one vector at a time with the codes packed
+/// 64 at a time (quantize_nuq_rows).
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "kvq/config.hpp"
 #include "kvq/format/codebook.hpp"
 #include "kvq/format/meta.hpp"
 #include "kvq/format/nuq.hpp"
+#include "kvq/kernels/cpu/prefetch.hpp"
 #include "kvq/quant/grouped_quant.hpp"
 
 #if KVQ_HAS_AVX512
@@ -108,6 +112,121 @@ struct NuqCodec {
   }
 };
 
+#if KVQ_HAS_AVX2
+/// 8 codes (byte i of c is code i, < 2^bits) packed LSB-first into the low 8 * bits bits, the
+/// bit order of core/bitpack.hpp.
+inline uint64_t pack8_codes(uint64_t c, int bits) {
+  c = (c & 0x00ff00ff00ff00ffull) | (((c >> 8) & 0x00ff00ff00ff00ffull) << bits);
+  c = (c & 0x0000ffff0000ffffull) | (((c >> 16) & 0x0000ffff0000ffffull) << (2 * bits));
+  return (c & 0xffffffffull) | ((c >> 32) << (4 * bits));
+}
+
+/// Appends chunks of w = 8 * bits bits to a byte stream as little-endian 64-bit words (x86).
+struct ChunkWriter {
+  uint8_t* out;
+  int w;
+  uint64_t acc = 0;
+  int n = 0;  // bits pending in acc
+  void put(uint64_t p) {
+    acc |= p << n;
+    n += w;
+    if (n >= 64) {
+      std::memcpy(out, &acc, 8);
+      out += 8;
+      n -= 64;
+      acc = n > 0 ? p >> (w - n) : 0;
+    }
+  }
+  void flush() { std::memcpy(out, &acc, static_cast<std::size_t>(n / 8)); }  // n % 8 == 0
+};
+
+/// Writes the D codes of one row (D % 8 == 0), B bits each, to out: codes8(i) returns codes
+/// i .. i + 7 as the bytes of a word. 64 codes at a time make B whole words (constant shifts).
+template <int B, class Codes8>
+inline void write_row_codes(int64_t D, uint8_t* out, Codes8&& codes8) {
+  int64_t i = 0;
+  for (; i + 64 <= D; i += 64, out += 8 * B) {
+    uint64_t w[B] = {};
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const uint64_t p = pack8_codes(codes8(i + 8 * c), B);
+      const int bit = c * 8 * B, word = bit / 64, sh = bit % 64;
+      w[word] |= p << sh;
+      if (sh + 8 * B > 64) w[word + 1] |= p >> (64 - sh);
+    }
+    std::memcpy(out, w, 8 * B);
+  }
+  if (i < D) {
+    ChunkWriter cw{out, 8 * B};
+    for (; i < D; i += 8) cw.put(pack8_codes(codes8(i), B));
+    cw.flush();
+  }
+}
+template <class Codes8>
+inline void write_row_codes(int bits, int64_t D, uint8_t* out, Codes8&& codes8) {
+  switch (bits) {
+    case 2: return write_row_codes<2>(D, out, codes8);
+    case 3: return write_row_codes<3>(D, out, codes8);
+    case 4: return write_row_codes<4>(D, out, codes8);
+    default: return write_row_codes<8>(D, out, codes8);
+  }
+}
+
+/// The nuq codes of x[0..8) as 8 bytes: the number of thresholds <= (x - z) * inv.
+inline uint64_t nuq_codes8(const float* x, __m256 z, __m256 inv, const __m256* thr, int nthr) {
+  const __m256 u = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), z), inv);
+  __m256i code = _mm256_setzero_si256();
+  for (int j = 0; j < nthr; ++j)
+    code = _mm256_sub_epi32(code, _mm256_castps_si256(_mm256_cmp_ps(u, thr[j], _CMP_GE_OQ)));
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+  return static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(w, w)));
+}
+
+/// Per-token nuq rows (token axis, group % 8 == 0): the grouped driver's work (group min/max,
+/// parameters, codes) for one vector at a time, with the codes packed 64 at a time
+/// (write_row_codes) instead of one by one. Same bytes, same errors in the same order.
+template <class T>
+void quantize_nuq_rows(const QuantConfig& cfg, const NuqCodec& codec, const KVView<const T>& x,
+                       const PackedSpan& q, QuantWorkspace& ws) {
+  const Shape s = x.shape();
+  const int64_t n = s.numel();
+  if (n == 0) return;
+  const GroupBox box = group_box(Axis::kToken, cfg.group, s);
+  const int64_t H = s.heads, D = s.head_dim, gc = box.gc, nc = box.nc;
+  const int bits = cfg.bits, nthr = (1 << bits) - 1;
+  q.codes[packed_bytes(static_cast<std::size_t>(n), bits) - 1] = 0;
+  float* buf = QuantWorkspace::at_least(ws.buf, static_cast<std::size_t>(D));
+  float* cz = QuantWorkspace::at_least(ws.zv, static_cast<std::size_t>(D / 8));
+  float* ci = QuantWorkspace::at_least(ws.iv, static_cast<std::size_t>(D / 8));
+  __m256 thr[kNuqMaxLevels];
+  for (int j = 0; j < nthr; ++j) thr[j] = _mm256_set1_ps(codec.thr[j]);
+  const std::size_t row_bytes = static_cast<std::size_t>(D) * sizeof(T);
+  for (int64_t t = 0; t < s.tokens; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      if (x.dim_contiguous()) kernels::prefetch_ahead(x.row(t, h), row_bytes);
+      const float* r = load_row(x, t, h, buf);
+      const int64_t v = t * H + h;
+      for (int64_t b = 0, c = 0; b < nc; ++b) {
+        float l = INFINITY, u = -INFINITY;
+        if (!kernels::minmax(r + b * gc, gc, l, u)) throw_non_finite_row(x, t, h, "quantize");
+        const auto g = static_cast<std::size_t>(v * nc + b);
+        const UniformParams p = codec.params(l, u, static_cast<int64_t>(g));
+        store_meta(q.scales, cfg.meta, g, p.scale);
+        store_meta(q.zeros, cfg.meta, g, p.zero);
+        for (int64_t e = 0; e < gc; e += 8, ++c) {
+          cz[c] = p.zero;
+          ci[c] = p.inv;
+        }
+      }
+      write_row_codes(bits, D, q.codes + static_cast<std::size_t>(v * D * bits / 8),
+                      [&](int64_t e) {
+                        return nuq_codes8(r + e, _mm256_broadcast_ss(cz + e / 8),
+                                          _mm256_broadcast_ss(ci + e / 8), thr, nthr);
+                      });
+    }
+}
+#endif
+
 }  // namespace detail
 
 /// Quantizes `x` under a calibrated nuq config into caller memory `q` (sized by packed_sizes).
@@ -116,7 +235,12 @@ struct NuqCodec {
 template <class T>
 void quantize_nuq(const QuantConfig& cfg, const KVView<const T>& x, const PackedSpan& q,
                   QuantWorkspace& ws) {
-  detail::grouped_quantize(cfg, detail::NuqCodec(cfg), cfg.bits, x, q, ws);
+  const detail::NuqCodec codec(cfg);
+#if KVQ_HAS_AVX2
+  if (cfg.axis == Axis::kToken && group_box(cfg.axis, cfg.group, x.shape()).gc % 8 == 0)
+    return detail::quantize_nuq_rows(cfg, codec, x, q, ws);
+#endif
+  detail::grouped_quantize(cfg, codec, cfg.bits, x, q, ws);
 }
 /// Reconstructs tokens [t0, t0 + out.tokens()) of nuq data into `out`.
 template <class T>

@@ -88,65 +88,6 @@ inline int dense_code_bits(const QuantConfig& c) {
 }
 
 #if KVQ_HAS_AVX2
-/// 8 codes (byte i of c is code i, < 2^bits) packed LSB-first into the low 8 * bits bits, the
-/// bit order of core/bitpack.hpp.
-inline uint64_t pack8_codes(uint64_t c, int bits) {
-  c = (c & 0x00ff00ff00ff00ffull) | (((c >> 8) & 0x00ff00ff00ff00ffull) << bits);
-  c = (c & 0x0000ffff0000ffffull) | (((c >> 16) & 0x0000ffff0000ffffull) << (2 * bits));
-  return (c & 0xffffffffull) | ((c >> 32) << (4 * bits));
-}
-
-/// Appends chunks of w = 8 * bits bits to a byte stream as little-endian 64-bit words (x86).
-struct ChunkWriter {
-  uint8_t* out;
-  int w;
-  uint64_t acc = 0;
-  int n = 0;  // bits pending in acc
-  void put(uint64_t p) {
-    acc |= p << n;
-    n += w;
-    if (n >= 64) {
-      std::memcpy(out, &acc, 8);
-      out += 8;
-      n -= 64;
-      acc = n > 0 ? p >> (w - n) : 0;
-    }
-  }
-  void flush() { std::memcpy(out, &acc, static_cast<std::size_t>(n / 8)); }  // n % 8 == 0
-};
-
-/// Writes the D codes of one row (D % 8 == 0), B bits each, to out: codes8(i) returns codes
-/// i .. i + 7 as the bytes of a word. 64 codes at a time make B whole words (constant shifts).
-template <int B, class Codes8>
-inline void write_row_codes(int64_t D, uint8_t* out, Codes8&& codes8) {
-  int64_t i = 0;
-  for (; i + 64 <= D; i += 64, out += 8 * B) {
-    uint64_t w[B] = {};
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-      const uint64_t p = pack8_codes(codes8(i + 8 * c), B);
-      const int bit = c * 8 * B, word = bit / 64, sh = bit % 64;
-      w[word] |= p << sh;
-      if (sh + 8 * B > 64) w[word + 1] |= p >> (64 - sh);
-    }
-    std::memcpy(out, w, 8 * B);
-  }
-  if (i < D) {
-    ChunkWriter cw{out, 8 * B};
-    for (; i < D; i += 8) cw.put(pack8_codes(codes8(i), B));
-    cw.flush();
-  }
-}
-template <class Codes8>
-inline void write_row_codes(int bits, int64_t D, uint8_t* out, Codes8&& codes8) {
-  switch (bits) {
-    case 2: return write_row_codes<2>(D, out, codes8);
-    case 3: return write_row_codes<3>(D, out, codes8);
-    case 4: return write_row_codes<4>(D, out, codes8);
-    default: return write_row_codes<8>(D, out, codes8);
-  }
-}
-
 /// The uniform codes of x[0..8) as 8 bytes: RNE(clamp(fma(x - z, inv, off), 0, qmax)), the bits
 /// of uniform_encode.
 inline uint64_t int_codes8(const float* x, __m256 z, __m256 inv, __m256 off, __m256 qmax) {
@@ -309,6 +250,21 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
           write_row_codes(bits, D, out, [&](int64_t e) {
             return int_codes8(dn + e, _mm256_broadcast_ss(cz + e / 8),
                               _mm256_broadcast_ss(ci + e / 8), off, qmax);
+          });
+        } else if constexpr (std::is_same_v<Codec, NuqCodec>) {
+          float* cz = pz + i * (unp + uD / 8) + unp;
+          float* ci = pi + i * (unp + uD / 8) + unp;
+          for (int64_t b = 0, c = 0; b < nc; ++b)
+            for (int64_t e = 0; e < gc; e += 8, ++c) {
+              cz[c] = zg[b];
+              ci[c] = ig[b];
+            }
+          __m256 thr[kNuqMaxLevels];
+          const int nthr = (1 << bits) - 1;
+          for (int j = 0; j < nthr; ++j) thr[j] = _mm256_set1_ps(codec.thr[j]);
+          write_row_codes(bits, D, out, [&](int64_t e) {
+            return nuq_codes8(dn + e, _mm256_broadcast_ss(cz + e / 8),
+                              _mm256_broadcast_ss(ci + e / 8), thr, nthr);
           });
         } else {
           for (int64_t b = 0; b < nc; ++b) codec.encode(dn + b * gc, gc, zg[b], ig[b], cd + b * gc);
