@@ -140,25 +140,64 @@ struct ChunkWriter {
   void flush() { std::memcpy(out, &acc, static_cast<std::size_t>(n / 8)); }  // n % 8 == 0
 };
 
+/// 8 codes held in 32-bit lanes as the 8 bytes of a word.
+inline uint64_t codes8_word(__m256i c) {
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+  return static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(w, w)));
+}
+
+/// Packs 32 codes (the bytes of b, in order, each < 2^B) LSB-first into exactly 4 * B bytes at
+/// out: pairs by maddubs, quads by madd, then per-B byte gathering.
+template <int B>
+__attribute__((always_inline)) inline void pack32_store(__m256i b, uint8_t* out) {
+  if constexpr (B == 8) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), b);
+  } else if constexpr (B == 4) {
+    const __m256i w = _mm256_maddubs_epi16(b, _mm256_set1_epi16(0x1001));  // c0 + 16 c1
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(p));
+  } else {
+    constexpr int kPair = B == 3 ? 0x0801 : 0x0401;          // c0 + 2^B c1
+    constexpr int kQuad = B == 3 ? 0x00400001 : 0x00100001;  // w0 + 2^2B w1
+    const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(b, _mm256_set1_epi16(kPair)),
+                                        _mm256_set1_epi32(kQuad));  // 4 codes per dword
+    if constexpr (B == 2) {  // the low byte of every dword
+      const __m256i g = _mm256_shuffle_epi8(
+          d, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8,
+                              12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+      const __m256i p = _mm256_permutevar8x32_epi32(g, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(p));
+    } else {  // B == 3: 24 bits per qword, then the low 3 bytes of each
+      const __m256i q = _mm256_and_si256(_mm256_or_si256(d, _mm256_srli_epi64(d, 20)),
+                                         _mm256_set1_epi64x(0xffffff));
+      const __m256i g = _mm256_shuffle_epi8(
+          q, _mm256_setr_epi8(0, 1, 2, 8, 9, 10, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 2,
+                              8, 9, 10, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+      const auto lo = static_cast<uint64_t>(_mm256_extract_epi64(g, 0));  // 48 bits
+      const auto hi = static_cast<uint64_t>(_mm256_extract_epi64(g, 2));  // 48 bits
+      const uint64_t w0 = lo | (hi << 48);
+      const auto w1 = static_cast<uint32_t>(hi >> 16);
+      std::memcpy(out, &w0, 8);
+      std::memcpy(out + 8, &w1, 4);
+    }
+  }
+}
+
 /// Writes the D codes of one row (D % 8 == 0), B bits each, to out: codes8(i) returns codes
-/// i .. i + 7 as the bytes of a word. 64 codes at a time make B whole words (constant shifts).
+/// i .. i + 7 in the 32-bit lanes of a vector. 32 codes at a time are narrowed to bytes and
+/// packed in registers (pack32_store); a tail of 8-code chunks goes through ChunkWriter.
 template <int B, class Codes8>
 inline void write_row_codes(int64_t D, uint8_t* out, Codes8&& codes8) {
   int64_t i = 0;
-  for (; i + 64 <= D; i += 64, out += 8 * B) {
-    uint64_t w[B] = {};
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-      const uint64_t p = pack8_codes(codes8(i + 8 * c), B);
-      const int bit = c * 8 * B, word = bit / 64, sh = bit % 64;
-      w[word] |= p << sh;
-      if (sh + 8 * B > 64) w[word + 1] |= p >> (64 - sh);
-    }
-    std::memcpy(out, w, 8 * B);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (; i + 32 <= D; i += 32, out += 4 * B) {
+    const __m256i a = _mm256_packs_epi32(codes8(i), codes8(i + 8));        // 0-3 8-11 | 4-7 12-15
+    const __m256i c = _mm256_packs_epi32(codes8(i + 16), codes8(i + 24));  // 16-19 24-27 | ...
+    pack32_store<B>(_mm256_permutevar8x32_epi32(_mm256_packus_epi16(a, c), order), out);
   }
   if (i < D) {
     ChunkWriter cw{out, 8 * B};
-    for (; i < D; i += 8) cw.put(pack8_codes(codes8(i), B));
+    for (; i < D; i += 8) cw.put(pack8_codes(codes8_word(codes8(i)), B));
     cw.flush();
   }
 }
@@ -172,14 +211,13 @@ inline void write_row_codes(int bits, int64_t D, uint8_t* out, Codes8&& codes8) 
   }
 }
 
-/// The nuq codes of x[0..8) as 8 bytes: the number of thresholds <= (x - z) * inv.
-inline uint64_t nuq_codes8(const float* x, __m256 z, __m256 inv, const __m256* thr, int nthr) {
+/// The nuq codes of x[0..8) (32-bit lanes): the number of thresholds <= (x - z) * inv.
+__attribute__((always_inline)) inline __m256i nuq_codes8(const float* x, __m256 z, __m256 inv, const __m256* thr, int nthr) {
   const __m256 u = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), z), inv);
   __m256i code = _mm256_setzero_si256();
   for (int j = 0; j < nthr; ++j)
     code = _mm256_sub_epi32(code, _mm256_castps_si256(_mm256_cmp_ps(u, thr[j], _CMP_GE_OQ)));
-  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
-  return static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(w, w)));
+  return code;
 }
 
 /// Per-token nuq rows (token axis, group % 8 == 0): the grouped driver's work (group min/max,
@@ -219,7 +257,7 @@ void quantize_nuq_rows(const QuantConfig& cfg, const NuqCodec& codec, const KVVi
         }
       }
       write_row_codes(bits, D, q.codes + static_cast<std::size_t>(v * D * bits / 8),
-                      [&](int64_t e) {
+                      [&](int64_t e) __attribute__((always_inline)) {
                         return nuq_codes8(r + e, _mm256_broadcast_ss(cz + e / 8),
                                           _mm256_broadcast_ss(ci + e / 8), thr, nthr);
                       });

@@ -88,14 +88,12 @@ inline int dense_code_bits(const QuantConfig& c) {
 }
 
 #if KVQ_HAS_AVX2
-/// The uniform codes of x[0..8) as 8 bytes: RNE(clamp(fma(x - z, inv, off), 0, qmax)), the bits
-/// of uniform_encode.
-inline uint64_t int_codes8(const float* x, __m256 z, __m256 inv, __m256 off, __m256 qmax) {
+/// The uniform codes of x[0..8) (32-bit lanes): RNE(clamp(fma(x - z, inv, off), 0, qmax)), the
+/// bits of uniform_encode.
+__attribute__((always_inline)) inline __m256i int_codes8(const float* x, __m256 z, __m256 inv, __m256 off, __m256 qmax) {
   __m256 v = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_loadu_ps(x), z), inv, off);
   v = _mm256_min_ps(_mm256_max_ps(v, _mm256_setzero_ps()), qmax);
-  const __m256i c = _mm256_cvtps_epi32(v);  // round to nearest even (default MXCSR)
-  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
-  return static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(w, w)));
+  return _mm256_cvtps_epi32(v);  // round to nearest even (default MXCSR)
 }
 
 #if KVQ_HAS_F16C
@@ -247,7 +245,7 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
               ci[c] = ig[b];
             }
           const __m256 off = _mm256_set1_ps(codec.lv.off), qmax = _mm256_set1_ps(codec.lv.qmax);
-          write_row_codes(bits, D, out, [&](int64_t e) {
+          write_row_codes(bits, D, out, [&](int64_t e) __attribute__((always_inline)) {
             return int_codes8(dn + e, _mm256_broadcast_ss(cz + e / 8),
                               _mm256_broadcast_ss(ci + e / 8), off, qmax);
           });
@@ -262,16 +260,14 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
           __m256 thr[kNuqMaxLevels];
           const int nthr = (1 << bits) - 1;
           for (int j = 0; j < nthr; ++j) thr[j] = _mm256_set1_ps(codec.thr[j]);
-          write_row_codes(bits, D, out, [&](int64_t e) {
+          write_row_codes(bits, D, out, [&](int64_t e) __attribute__((always_inline)) {
             return nuq_codes8(dn + e, _mm256_broadcast_ss(cz + e / 8),
                               _mm256_broadcast_ss(ci + e / 8), thr, nthr);
           });
         } else {
           for (int64_t b = 0; b < nc; ++b) codec.encode(dn + b * gc, gc, zg[b], ig[b], cd + b * gc);
-          write_row_codes(bits, D, out, [&](int64_t e) {
-            uint64_t c8;
-            std::memcpy(&c8, cd + e, 8);
-            return c8;
+          write_row_codes(bits, D, out, [&](int64_t e) __attribute__((always_inline)) {
+            return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cd + e)));
           });
         }
         continue;
