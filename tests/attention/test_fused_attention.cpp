@@ -174,6 +174,23 @@ TEST(FusedAttention, ShapesGqaThreadsAndSegments) {
         }
 }
 
+// ---- the presets kvq_bench decodes, at its shape (8 kv heads, head_dim 128, GQA 4): pages of
+// 16-32 tokens gathered into tiles, every head of a tile at once, transposed per-token group
+// metadata (8 heads x 4 groups), 4-bit codes in even/odd order on the AVX2 path.
+TEST(FusedAttention, PresetsAtTheBenchmarkShape) {
+  for (const char* spec : {"f16", "fp8", "k8v4", "kivi4", "kivi2", "turbo4"}) {
+    const KVCache c = filled_cache(spec, 700, 8, 128, 31);
+    for (int threads : {1, 2}) {
+      AttentionOptions opt;
+      opt.threads = threads;
+      opt.split_tokens = 256;
+      for (int64_t nq : {int64_t{1}, int64_t{5}})
+        EXPECT_LE(fused_vs_oracle(c, 32, nq, true, nullptr, opt), kTol)
+            << spec << " threads=" << threads << " nq=" << nq;
+    }
+  }
+}
+
 // ---- pre-RoPE keys (KVQuant): rows decoded, rotated at their positions, scored.
 TEST(FusedAttention, PreRopeKeys) {
   kvq::RopeConfig adj, half;

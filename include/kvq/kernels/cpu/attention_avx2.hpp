@@ -46,8 +46,36 @@ struct V2 {
 /// Tokens per value block (accumulators stay in registers across them).
 constexpr int64_t kTokBlock = 8;
 
+/// True when ld2<L> returns its 16 channels in even/odd order: vector a holds channels
+/// 16 jp + 0, 2, .., 14 and b channels 16 jp + 1, 3, .., 15 (4-bit codes: the queries and the
+/// value accumulators are kept in that order instead, see to_eo() / from_eo()).
+constexpr bool eo_order(Load L) { return L == Load::kU4 || L == Load::kLut4; }
+
+/// x[0, D) in natural channel order -> out in even/odd order (per 16 channels), D % 16 == 0;
+/// in place allowed.
+inline void to_eo(const float* x, float* out, int64_t D) {
+  for (int64_t j = 0; j < D; j += 16) {
+    const V lo = _mm256_loadu_ps(x + j), hi = _mm256_loadu_ps(x + j + 8);
+    const V e = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0));
+    const V o = _mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1));
+    _mm256_storeu_ps(out + j, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0))));
+    _mm256_storeu_ps(out + j + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0))));
+  }
+}
+
+/// Inverse of to_eo(); in place allowed.
+inline void from_eo(const float* x, float* out, int64_t D) {
+  for (int64_t j = 0; j < D; j += 16) {
+    const V e = _mm256_loadu_ps(x + j), o = _mm256_loadu_ps(x + j + 8);
+    const V l = _mm256_unpacklo_ps(e, o), h = _mm256_unpackhi_ps(e, o);
+    _mm256_storeu_ps(out + j, _mm256_permute2f128_ps(l, h, 0x20));
+    _mm256_storeu_ps(out + j + 8, _mm256_permute2f128_ps(l, h, 0x31));
+  }
+}
+
 /// Channels [16 jp, 16 jp + 16) of one stored row as two vectors (unscaled, as Simd256's
-/// loaders give them: raw values, integer codes, fp8 values times 2^-8 for e4m3, centroids).
+/// loaders give them: raw values, integer codes, fp8 values times 2^-8 for e4m3, centroids),
+/// in natural order, or in even/odd order when eo_order(L).
 template <Load L>
 inline V2 ld2(const uint8_t* row, int64_t jp, const float* lut) {
   (void)lut;
@@ -77,14 +105,11 @@ inline V2 ld2(const uint8_t* row, int64_t jp, const float* lut) {
       b = Simd256::lut(c1, lut);
     }
   } else if constexpr (L == Load::kU4 || L == Load::kLut4) {
-    const uint8_t* p = row + 8 * jp;
-    int32_t w0, w1;
-    std::memcpy(&w0, p, 4);
-    std::memcpy(&w1, p + 4, 4);
-    const __m256i sh = _mm256_set_epi32(28, 24, 20, 16, 12, 8, 4, 0);
-    const __m256i m = _mm256_set1_epi32(15);
-    const __m256i c0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w0), sh), m);
-    const __m256i c1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w1), sh), m);
+    // Even/odd order (see eo_order()): byte i holds channels 2i (low nibble) and 2i + 1, so
+    // one widening gives both vectors with one mask and one shift (no interleave).
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * jp)));
+    const __m256i c0 = _mm256_and_si256(x, _mm256_set1_epi32(15));
+    const __m256i c1 = _mm256_srli_epi32(x, 4);
     if constexpr (L == Load::kU4) {
       a = _mm256_cvtepi32_ps(c0);
       b = _mm256_cvtepi32_ps(c1);

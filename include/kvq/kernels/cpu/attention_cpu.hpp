@@ -129,7 +129,7 @@ struct Scratch {
     std::size_t si;         ///< segment index
     int64_t loc0, n, o;     ///< segment-local first token, tokens, offset in the tile
   };
-  std::vector<Piece> pieces;
+  std::vector<Piece> pieces, next;  // this tile's pieces, the next tile's
   std::vector<float> wg;  // [rows, D / 16, kTile] value weights times group scales
   std::vector<float> zg;  // [rows, D / 16] value zero sums per group
 };
@@ -141,6 +141,7 @@ struct Workspace {
   std::vector<float> qs;      // [H, nq*G, D] queries / sqrt(D)
   std::vector<float> qsum;    // [H, nq*G]
   std::vector<float> qrot;    // [H, nq*G, D] rotated queries (Lloyd-Max keys)
+  std::vector<float> qs_eo, qrot_eo;  // the same in even/odd channel order (AVX2, 4-bit keys)
   std::vector<float> sq;      // [H, nq*G, D] S R q (QJL keys)
   std::vector<float> sqsum;   // [H, nq*G]
   std::vector<double> inv_freq;  // [D/2] RoPE
@@ -566,6 +567,7 @@ class Unit {
     sc_.m.assign(nr, -std::numeric_limits<float>::infinity());
     sc_.l.assign(nr, 0.f);
     sc_.acc.assign(nr * static_cast<std::size_t>(D), 0.f);
+    acc_eo_ = false;
     const bool vlm = P_.v_ctx != nullptr;
     if (vlm) {
       sc_.acc_rot.assign(nr * static_cast<std::size_t>(D), 0.f);
@@ -607,6 +609,7 @@ class Unit {
                                           static_cast<std::size_t>(std::max(H, kTile) * D));
           for (auto* v : {&sc_.kms, &sc_.kmz, &sc_.vms, &sc_.vmz}) v->resize(mt);
           sc_.pieces.reserve(static_cast<std::size_t>(kTile));
+          sc_.next.reserve(static_cast<std::size_t>(kTile));
           run_tiles(a, b);
           finish(chunk, qb);
           return;
@@ -671,37 +674,24 @@ class Unit {
            a.ctx == b.ctx && a.view.config.meta == b.view.config.meta;
   }
 
-  void run_tiles(int64_t a, int64_t b) {
-    auto& pcs = sc_.pieces;
-    pcs.clear();
+  /// Collects the next tile of [a, b) from the cursor (si, t) into `out`: pieces of
+  /// consecutive segments of one kind, up to kTile tokens (one piece when the microkernels do
+  /// not read the streams). Returns its token count (0 at the end).
+  int64_t next_tile(int64_t a, int64_t b, std::size_t& si, int64_t& t,
+                    std::vector<Piece>& out) const {
+    out.clear();
     int64_t tn = 0;
-    auto flush = [&] {
-      if (tn == 0) return;
-      const std::size_t si0 = pcs.front().si;
-      if (fast_stream(ws_.ks[si0]) && fast_stream(ws_.vs[si0])) {
-        tile_all(tn);
-      } else {
-        for (const Piece& p : pcs) {
-          const CacheSegment& seg = ws_.segs[p.si];
-          for (int64_t h = 0; h < P_.H; ++h)
-            tile(seg, ws_.ks[p.si], ws_.vs[p.si], h, seg.begin + p.loc0,
-                 seg.begin + p.loc0 + p.n);
-        }
-      }
-      pcs.clear();
-      tn = 0;
-    };
-    for (std::size_t si = 0; si < ws_.segs.size(); ++si) {
+    for (; si < ws_.segs.size(); ++si) {
       const CacheSegment& seg = ws_.segs[si];
       const int64_t s0 = std::max(a, seg.begin), s1 = std::min(b, seg.end);
       if (s0 >= s1) continue;
+      if (t < s0) t = s0;
+      if (t >= s1) continue;
       const Stream& ks = ws_.ks[si];
       const Stream& vs = ws_.vs[si];
-      if (tn > 0 && !(same_kind(ws_.ks[pcs.front().si], ks) &&
-                      same_kind(ws_.vs[pcs.front().si], vs)))
-        flush();
+      if (tn > 0 && !(same_kind(ws_.ks[out.front().si], ks) && same_kind(ws_.vs[out.front().si], vs)))
+        return tn;
       const bool alone = !(fast_stream(ks) && fast_stream(vs));
-      int64_t t = s0;
       while (t < s1) {
         int64_t e = std::min(s1, t + kTile - tn);
         for (const Stream* st : {&ks, &vs})
@@ -709,21 +699,74 @@ class Unit {
             const int64_t gt = st->box.gt, loc = t - seg.begin;
             e = std::min(e, seg.begin + (loc / gt + 1) * gt);
           }
-        pcs.push_back(Piece{si, t - seg.begin, e - t, tn});
+        out.push_back(Piece{si, t - seg.begin, e - t, tn});
         tn += e - t;
-        if (tn == kTile || alone) flush();
         t = e;
+        if (tn == kTile || alone) return tn;
       }
     }
-    flush();
+    return tn;
+  }
+
+  /// Puts the value accumulators (and the Lloyd-Max rotated-domain ones) in even/odd channel
+  /// order (eo) or back in natural order.
+  void acc_order(bool eo) {
+    if (eo == acc_eo_) return;
+    const int64_t D = P_.D, rows = P_.H * R_;
+    auto conv = [&](float* x) {
+      for (int64_t i = 0; i < rows; ++i) {
+        if (eo) {
+          avx2::to_eo(x + i * D, x + i * D, D);
+        } else {
+          avx2::from_eo(x + i * D, x + i * D, D);
+        }
+      }
+    };
+    conv(sc_.acc.data());
+    if (P_.v_ctx != nullptr) conv(sc_.acc_rot.data());
+    acc_eo_ = eo;
+  }
+
+  void run_tiles(int64_t a, int64_t b) {
+    std::size_t si = 0;
+    int64_t t = a;
+    int64_t n = next_tile(a, b, si, t, sc_.pieces);
+    for (const Piece& p : sc_.pieces) {
+      prefetch_meta(ws_.ks[p.si], p);
+      prefetch_meta(ws_.vs[p.si], p);
+    }
+    while (n > 0) {
+      // the next tile, so that its metadata (read first thing when its keys are scored) is
+      // prefetched while this tile is processed
+      const int64_t nn = next_tile(a, b, si, t, sc_.next);
+      const std::size_t si0 = sc_.pieces.front().si;
+      if (fast_stream(ws_.ks[si0]) && fast_stream(ws_.vs[si0])) {
+        for (const Piece& p : sc_.next) {
+          prefetch_meta(ws_.ks[p.si], p);
+          prefetch_meta(ws_.vs[p.si], p);
+        }
+        tile_all(n);
+      } else {
+        acc_order(false);
+        for (const Piece& p : sc_.pieces) {
+          const CacheSegment& seg = ws_.segs[p.si];
+          for (int64_t h = 0; h < P_.H; ++h)
+            tile(seg, ws_.ks[p.si], ws_.vs[p.si], h, seg.begin + p.loc0,
+                 seg.begin + p.loc0 + p.n);
+        }
+      }
+      std::swap(sc_.pieces, sc_.next);
+      n = nn;
+    }
   }
 
   /// Pointers to head 0's row of every tile token (rp[t]); returns the byte distance between
   /// heads and sets `span` to the bytes of a token's rows over all heads.
-  int64_t row_ptrs(const std::vector<Stream>& streams, const uint8_t** rp, int64_t& span) const {
+  int64_t row_ptrs(const std::vector<Stream>& streams, const std::vector<Piece>& pcs,
+                   const uint8_t** rp, int64_t& span) const {
     const int64_t H = P_.H, D = P_.D;
     int64_t hs = 0;
-    for (const Piece& p : sc_.pieces) {
+    for (const Piece& p : pcs) {
       const Stream& st = streams[p.si];
       if (st.packed) {
         hs = D * st.bits / 8;
@@ -738,6 +781,26 @@ class Unit {
       }
     }
     return hs;
+  }
+
+  /// Prefetches the metadata (scales, zeros, norms) piece p reads for all heads: a contiguous
+  /// run of groups in the group-box order of packed_view.hpp.
+  void prefetch_meta(const Stream& st, const Piece& p) const {
+    if (!st.packed || st.raw) return;
+    const PackedView& v = st.view;
+    const auto msz = static_cast<int64_t>(meta_size(v.config.meta));
+    auto run = [](const uint8_t* base, int64_t from, int64_t to) {
+      if (base == nullptr) return;
+      for (int64_t o = from & ~int64_t{63}; o < to; o += 64) _mm_prefetch(reinterpret_cast<const char*>(base + o), _MM_HINT_T0);
+    };
+    if (st.lm) {
+      run(v.norms, p.loc0 * P_.H * msz, (p.loc0 + p.n) * P_.H * msz);
+      return;
+    }
+    const GroupBox& b = st.box;
+    const int64_t g0 = b.index(p.loc0, 0, 0), g1 = b.index(p.loc0 + p.n - 1, P_.H - 1, P_.D - 1) + 1;
+    run(v.scales, g0 * msz, g1 * msz);
+    if (st.zeros) run(v.zeros, g0 * msz, g1 * msz);
   }
 
   static void prefetch_rows(const uint8_t* p, int64_t span) {
@@ -761,18 +824,16 @@ class Unit {
     const int64_t ng = st.scale == Scale::kGroup ? P_.D / b.gc : 1;
     int64_t tb = p.loc0 / b.gt, tr = p.loc0 % b.gt;
     const int64_t hb = h / b.gh;
-    for (int64_t t = 0; t < p.n; ++t) {
+    for (int64_t t = 0; t < p.n; tr = 0, ++tb) {  // runs of tokens sharing one token block
+      const int64_t len = std::min(p.n - t, b.gt - tr);
       const auto g0 = static_cast<std::size_t>((tb * b.nh + hb) * b.nc);
       for (int64_t g = 0; g < ng; ++g) {
         const float sc = detail::load_meta(v.scales, md, g0 + static_cast<std::size_t>(g));
         const float z = st.zeros ? detail::load_meta(v.zeros, md, g0 + static_cast<std::size_t>(g)) : 0.f;
-        ms[g * kTile + p.o + t] = sc * st.mul;
-        mz[g * kTile + p.o + t] = z - st.off * sc;
+        std::fill_n(ms + g * kTile + p.o + t, len, sc * st.mul);
+        std::fill_n(mz + g * kTile + p.o + t, len, z - st.off * sc);
       }
-      if (++tr == b.gt) {
-        tr = 0;
-        ++tb;
-      }
+      t += len;
     }
   }
 
@@ -958,8 +1019,9 @@ class Unit {
     const Stream& vs0 = ws_.vs[pcs.front().si];
     const int64_t t0 = ws_.segs[pcs.front().si].begin + pcs.front().loc0;
     int64_t kspan = 0, vspan = 0;
-    const int64_t khs = row_ptrs(ws_.ks, sc_.krp.data(), kspan);
-    const int64_t vhs = row_ptrs(ws_.vs, sc_.vrp.data(), vspan);
+    const int64_t khs = row_ptrs(ws_.ks, pcs, sc_.krp.data(), kspan);
+    const int64_t vhs = row_ptrs(ws_.vs, pcs, sc_.vrp.data(), vspan);
+    for (int64_t t = 0; t < std::min(n, kKeyAhead); ++t) prefetch_rows(sc_.krp[static_cast<std::size_t>(t)], kspan);
     // ---- keys: scores [H, R, n]
     with_load(ks0.packed ? ks0.load : Load::kF32,
               [&](auto LC) { score_all<LC.value>(n, khs, kspan, vspan); });
@@ -1015,7 +1077,8 @@ class Unit {
     const auto& pcs = sc_.pieces;
     const int64_t D = P_.D, R = R_, H = P_.H, HR = P_.nq * P_.G;
     const Stream& ks0 = ws_.ks[pcs.front().si];
-    const float* qs = ws_.qs.data() + i0_ * P_.G * D;  // head h at + h * HR * D
+    constexpr bool eo = avx2::eo_order(L);  // 4-bit codes: queries in even/odd order
+    const float* qs = (eo ? ws_.qs_eo : ws_.qs).data() + i0_ * P_.G * D;  // head h at + h * HR * D
     float* sc = sc_.s.data();
     float* ms = sc_.kms.data();
     float* mz = sc_.kmz.data();
@@ -1031,7 +1094,7 @@ class Unit {
     }
     if (ks0.lm) {
       meta_tile(ws_.ks, n, 1, ms, mz);
-      const float* qr = ws_.qrot.data() + i0_ * P_.G * D;
+      const float* qr = (eo ? ws_.qrot_eo : ws_.qrot).data() + i0_ * P_.G * D;
       dot_all(0, n, n, qr, HR * D, plain, kspan, vspan);
       for (int64_t h = 0; h < H; ++h)
         for (int64_t r = 0; r < R; ++r)
@@ -1076,6 +1139,7 @@ class Unit {
       default: {  // kChannel: per block, the block's scales folded into the queries
         float* qf = sc_.qf.data();  // [H, R, D]
         float* qz = sc_.qz.data();  // [H, R]
+        qs = ws_.qs.data() + i0_ * P_.G * D;  // folded in natural order, then permuted
         for (const Piece& p : pcs) {
           for (int64_t h = 0; h < H; ++h) {
             meta_channel(ws_.ks[p.si], p.loc0, h, ms, mz);
@@ -1091,6 +1155,8 @@ class Unit {
               qz[h * R + r] = Simd256::reduce(z);
             }
           }
+          if constexpr (eo)
+            for (int64_t v = 0; v < H * R; ++v) avx2::to_eo(qf + v * D, qf + v * D, D);
           dot_all(p.o, p.o + p.n, n, qf, R * D, plain, kspan, vspan);
           for (int64_t h = 0; h < H; ++h)
             for (int64_t r = 0; r < R; ++r) {
@@ -1110,6 +1176,7 @@ class Unit {
     const auto& pcs = sc_.pieces;
     const int64_t D = P_.D, R = R_, H = P_.H;
     const Stream& vs0 = ws_.vs[pcs.front().si];
+    acc_order(vs0.packed && avx2::eo_order(L));
     const float* p = sc_.s.data();
     float* ms = sc_.vms.data();
     float* mz = sc_.vmz.data();
@@ -1129,6 +1196,11 @@ class Unit {
       for (const Piece& pc : pcs) {
         for (int64_t h = 0; h < H; ++h)
           meta_channel(ws_.vs[pc.si], pc.loc0, h, ms + h * D, mz + h * D);
+        if constexpr (avx2::eo_order(L))
+          for (int64_t h = 0; h < H; ++h) {
+            avx2::to_eo(ms + h * D, ms + h * D, D);
+            avx2::to_eo(mz + h * D, mz + h * D, D);
+          }
         auto deq = [rp, hs, lut, ms, mz, D](int64_t h) {
           const int64_t off = h * hs;
           const float* hms = ms + h * D;
@@ -1486,6 +1558,9 @@ class Unit {
   /// Folds the rotated-domain value sums back and stores the unit's (m, l, acc).
   void finish(int64_t chunk, int64_t qb) {
     const int64_t D = P_.D, H = P_.H, R = R_;
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+    acc_order(false);
+#endif
     const std::size_t unit = static_cast<std::size_t>(chunk * P_.nqb + qb);
     const std::size_t stride = static_cast<std::size_t>(H * kQueryBlock * P_.G);
     float* um = ws_.um.data() + unit * stride;
@@ -1519,6 +1594,7 @@ class Unit {
   Workspace& ws_;
   Scratch& sc_;
   int64_t i0_ = 0, R_ = 0;
+  bool acc_eo_ = false;  // AVX2: the value accumulators are in even/odd channel order
 };
 
 /// Runs every unit (chunks x query blocks) on `workers` workers, then merges chunk results in
@@ -1649,6 +1725,22 @@ void attend_impl(Workspace& ws, Problem& P, KVView<const float> q, KVView<float>
       }
     }
   }
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+  if constexpr (std::is_same<S, Simd256>::value) {
+    // 4-bit key codes are read in even/odd channel order (attention_avx2.hpp): queries too.
+    bool eo = false;
+    for (const Stream& ks : ws.ks) eo = eo || (ks.packed && avx2::eo_order(ks.load));
+    if (eo && D % 16 == 0) {
+      ws.qs_eo.resize(ws.qs.size());
+      for (int64_t v = 0; v < H * HR; ++v) avx2::to_eo(ws.qs.data() + v * D, ws.qs_eo.data() + v * D, D);
+      if (P.k_ctx != nullptr) {
+        ws.qrot_eo.resize(ws.qrot.size());
+        for (int64_t v = 0; v < H * HR; ++v)
+          avx2::to_eo(ws.qrot.data() + v * D, ws.qrot_eo.data() + v * D, D);
+      }
+    }
+  }
+#endif
   if (P.rope != nullptr) {
     ws.inv_freq.resize(static_cast<std::size_t>(D / 2));
     for (int64_t i = 0; i < D / 2; ++i)
