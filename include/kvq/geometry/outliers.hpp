@@ -183,13 +183,22 @@ inline void finish_top_k(__m256* top, const float* score, int64_t D, int64_t k, 
   }
   int n_gt = 0, n_eq = 0;
   int32_t eq[K] = {};
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 v = _mm256_loadu_ps(score + d);
-    unsigned gt = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_GT_OQ)));
-    unsigned e = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_EQ_OQ)));
-    if ((gt | e) == 0) continue;
-    for (; gt != 0; gt &= gt - 1) sel[n_gt++] = static_cast<int32_t>(d) + __builtin_ctz(gt);
-    for (; e != 0 && n_eq < K; e &= e - 1) eq[n_eq++] = static_cast<int32_t>(d) + __builtin_ctz(e);
+  const float T = _mm256_cvtss_f32(tv);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 64 channels' "score >= T" bits, then those only
+    uint64_t ge = 0;
+    const int64_t n = std::min<int64_t>(64, D - d0);
+    for (int64_t i = 0; i < n; i += 8)
+      ge |= static_cast<uint64_t>(static_cast<unsigned>(_mm256_movemask_ps(
+                _mm256_cmp_ps(_mm256_loadu_ps(score + d0 + i), tv, _CMP_GE_OQ))))
+            << i;
+    for (; ge != 0; ge &= ge - 1) {
+      const auto d = static_cast<int32_t>(d0 + __builtin_ctzll(ge));
+      if (score[d] > T) {
+        sel[n_gt++] = d;
+      } else if (n_eq < K) {
+        eq[n_eq++] = d;
+      }
+    }
   }
   for (int j = 0; n_gt < k; ++j) {  // merge: sel stays ascending
     const int32_t at = eq[j];
