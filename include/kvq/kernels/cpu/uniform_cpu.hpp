@@ -573,6 +573,7 @@ inline bool quantize_row_token(const float* row, int64_t D, int64_t gc, int bits
 template <bool kVec>
 inline void decode_run_f16(const uint8_t* codes, int64_t n, const float* s, const float* z,
                            float off, uint16_t* out) {
+  if (n <= 0) return;  // s/z may be empty (null) for an empty run: read nothing
   int64_t i = 0;
 #if KVQ_HAS_AVX512
   const __m512 voff = _mm512_set1_ps(off);
