@@ -1,6 +1,7 @@
 // nuq and dense-and-sparse configs through the paged layout, the streaming cache and attention:
-// page bytes equal quantize(), the fused attention (which decodes these pages to rows) equals
-// the double-precision oracle, and a nuq policy without calibration is refused clearly.
+// page bytes equal quantize(), the fused attention equals the double-precision oracle (nuq pages
+// decoded to rows; outliers over int / fp8 read in the kernels: dense codes, then the sparse
+// differences), and a nuq policy without calibration is refused clearly.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -97,6 +98,74 @@ TEST(OutlierAttention, FusedEqualsOracle) {
       EXPECT_LT(worst, 2e-5) << spec << " nq " << nq;
     }
   }
+}
+
+/// Largest error of fused vs oracle attention over the rows of the output, relative to each
+/// row's largest magnitude.
+double fused_error(const kvq::KVCache& c, int64_t nh, int64_t nq, const kvq::RopeConfig* rope,
+                   const kvq::AttentionOptions& opt, kvq::AttentionWorkspace& ws) {
+  const int64_t D = c.head_dim();
+  const auto q = kvq_test::kv_data({nq, nh, D}, 71 + static_cast<uint32_t>(nq), false);
+  std::vector<float> out(q.size()), ref(q.size());
+  kvq::attend(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
+              KVView<float>::nhd(out.data(), nq, nh, D), true, ws, rope, opt);
+  kvq::reference::attend_ref(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
+                             KVView<float>::nhd(ref.data(), nq, nh, D), true, rope);
+  double worst = 0;
+  for (std::size_t r = 0; r < out.size(); r += static_cast<std::size_t>(D)) {
+    double mx = 1e-30, err = 0;
+    for (std::size_t d = r; d < r + static_cast<std::size_t>(D); ++d) {
+      mx = std::max(mx, std::fabs(double(ref[d])));
+      err = std::max(err, std::fabs(double(out[d]) - ref[d]));
+    }
+    worst = std::max(worst, err / mx);
+  }
+  return worst;
+}
+
+// ---- outliers over int and fp8 dense formats are read in the kernels (no page is decoded to
+// rows): every axis, odd and even bit widths, 1 and several outliers, head_dim 64/128 (the
+// 16-channel AVX2 microkernels) and 40 (the 8-lane path), GQA 1/4, decode and prefill, 1 and 2
+// threads, pre-RoPE keys.
+TEST(OutlierAttention, InKernelOutliersEqualTheOracle) {
+  const char* specs[] = {
+      "k=int4/channel/g32/out2,v=int4/token/g32/out1%,residual=32",
+      "k=e4m3/head/out1,v=int4/token/g32/out2",
+      "k=int8/token/out1%,v=e4m3/token/out1,sinks=3",
+      "k=sint3/channel/g32/out1,v=int3/token/g32/out3,residual=16",
+      "k=int2/channel/g32/out2,v=int2/token/g32/out2,residual=32,sinks=4",
+      "k=e5m2/tensor/out2,v=int8/head/out1",
+      "k=int4/head/out4,v=f16"};
+  for (int64_t D : {64, 128, 40})
+    for (const char* spec : specs) {
+      const std::string sp(spec);
+      // token groups default to 32 channels, which does not divide 40
+      if (D == 40 && (sp.find("g32") != std::string::npos || sp.find("/token") != std::string::npos))
+        continue;
+      const int64_t H = 2, T = 150;
+      kvq::KVCache c(kvq::parse_policy(sp), 1, static_cast<int>(H), static_cast<int>(D));
+      const auto kd = kvq_test::kv_data({T, H, D}, 18, true);
+      const auto vd = kvq_test::kv_data({T, H, D}, 19, false);
+      c.append(0, KVView<const float>::nhd(kd.data(), 70, H, D),
+               KVView<const float>::nhd(vd.data(), 70, H, D));
+      for (int64_t t = 70; t < T; ++t)
+        c.append(0, KVView<const float>::nhd(kd.data() + t * H * D, 1, H, D),
+                 KVView<const float>::nhd(vd.data() + t * H * D, 1, H, D));
+      for (int G : {1, 4})
+        for (int threads : {1, 2}) {
+          kvq::AttentionOptions opt;
+          opt.threads = threads;
+          opt.split_tokens = 64;
+          kvq::AttentionWorkspace ws;
+          for (int64_t nq : {int64_t{1}, int64_t{9}}) {
+            EXPECT_LE(fused_error(c, H * G, nq, nullptr, opt, ws), 2e-5)
+                << sp << " D=" << D << " G=" << G << " threads=" << threads << " nq=" << nq;
+            EXPECT_TRUE(ws.w.decoded.empty()) << sp << ": pages were decoded to rows";
+          }
+          kvq::RopeConfig rope;
+          EXPECT_LE(fused_error(c, H * G, 3, &rope, opt, ws), 2e-5) << sp << " pre-RoPE D=" << D;
+        }
+    }
 }
 
 TEST(OutlierAttention, UncalibratedNuqCacheIsRefused) {

@@ -100,6 +100,7 @@ struct Stream {
   bool unpack = false;  ///< codes are unpacked per row into bytes (odd widths, scalar path)
   bool lm = false, qjl = false, zeros = false, raw = false;
   int bits = 32;
+  int64_t nout = 0;  ///< dense-and-sparse: outliers per (token, head) vector (int / fp8 dense)
   float off = 0.f, mul = 1.f;
   const detail::LloydMaxContext* ctx = nullptr;
   float lut[16] = {};
@@ -148,16 +149,22 @@ struct Workspace {
   std::vector<float> um, ul, uacc;  // per work unit results
   std::vector<float> out_row;
   std::vector<Scratch> scratch;
-  // nuq and dense-and-sparse pages (no fused decoder yet): decoded rows, one [n, H, D] pair
-  // per such segment, and the dequantization scratch.
+  // nuq pages (and outliers over nuq; no fused decoder): decoded rows, one [n, H, D] pair per
+  // such segment, and the dequantization scratch.
   std::vector<std::vector<float>> decoded;
   QuantWorkspace qws;
 };
 
-/// True when the fused kernels cannot read `v` straight from its codes: a nuq codebook or
-/// dense-and-sparse outliers (decoded to f32 rows first; docs/outliers.md).
+/// True when the fused kernels cannot read `v` straight from its codes: a nuq codebook, or
+/// dense-and-sparse outliers over a dense format other than int / fp8 (decoded to f32 rows
+/// first; docs/outliers.md). Outliers over int and fp8 are read in the kernels: the dense codes
+/// as usual, then each outlier's difference from its dense value (Unit::outlier_scores,
+/// Unit::outlier_values).
 inline bool needs_decode(const PackedView& v) {
-  return v.config.format == Format::kNuq || outlier_count(v.config, v.shape.head_dim) > 0;
+  const Format f = v.config.format;
+  if (f == Format::kNuq) return true;
+  return outlier_count(v.config, v.shape.head_dim) > 0 &&
+         !(f == Format::kInt || f == Format::kE4M3 || f == Format::kE5M2);
 }
 
 /// Replaces every packed segment that needs_decode() by f32 row segments holding its
@@ -364,6 +371,7 @@ inline void setup_packed(Stream& st, const PackedView& v, int W) {
   st.lm = st.qjl = st.zeros = st.unpack = false;
   st.raw = c.is_raw();
   st.ctx = nullptr;
+  st.nout = outlier_count(c, D);
   switch (c.format) {
     case Format::kF32: st.load = Load::kF32; st.bits = 32; return;
     case Format::kF16: st.load = Load::kF16; st.bits = 16; return;
@@ -671,7 +679,7 @@ class Unit {
     return a.load == b.load && a.scale == b.scale && a.bits == b.bits && a.lm == b.lm &&
            a.zeros == b.zeros && a.raw == b.raw && a.off == b.off && a.mul == b.mul &&
            a.box.gt == b.box.gt && a.box.gh == b.box.gh && a.box.gc == b.box.gc &&
-           a.ctx == b.ctx && a.view.config.meta == b.view.config.meta;
+           a.ctx == b.ctx && a.view.config.meta == b.view.config.meta && a.nout == b.nout;
   }
 
   /// Collects the next tile of [a, b) from the cursor (si, t) into `out`: pieces of
@@ -1025,6 +1033,12 @@ class Unit {
     // ---- keys: scores [H, R, n]
     with_load(ks0.packed ? ks0.load : Load::kF32,
               [&](auto LC) { score_all<LC.value>(n, khs, kspan, vspan); });
+    if (ks0.nout > 0)
+      for (const Piece& p : pcs)
+        for (int64_t h = 0; h < H; ++h)
+          outlier_scores(ws_.ks[p.si], p.loc0, p.n, h,
+                         ws_.qs.data() + (h * P_.nq * P_.G + i0_ * P_.G) * P_.D,
+                         sc_.s.data() + h * R * kTile + p.o);
     // ---- causal mask, online softmax: weights into sc (entries [n, n8) are 0)
     float* sc = sc_.s.data();
     const int64_t n8 = (n + 7) & ~int64_t{7};
@@ -1069,6 +1083,11 @@ class Unit {
     // ---- values
     with_load(vs0.packed ? vs0.load : Load::kF32,
               [&](auto LC) { accumulate_all<LC.value>(n, vhs); });
+    if (vs0.nout > 0)
+      for (const Piece& p : pcs)
+        for (int64_t h = 0; h < H; ++h)
+          outlier_values(ws_.vs[p.si], p.loc0, p.n, h, sc + h * R * kTile + p.o,
+                         row_acc(sc_.acc.data(), h, 0), acc_eo_);
   }
 
   template <Load L>
@@ -1291,6 +1310,7 @@ class Unit {
           nj, qs, D, R, sc);
     } else {
       with_load(ks.load, [&](auto LC) { score_packed<LC.value>(ks, h, loc0, n, qs); });
+      if (ks.nout > 0) outlier_scores(ks, loc0, n, h, qs, sc);
     }
     // ---- causal mask, online softmax: weights into sc
     for (int64_t r = 0; r < R; ++r) {
@@ -1347,6 +1367,73 @@ class Unit {
     }
     tile_meta(vs, loc0, n, h, sc_.vms.data(), sc_.vmz.data(), sc_.vq.data());
     with_load(vs.load, [&](auto LC) { accumulate_packed<LC.value>(vs, h, loc0, n); });
+    if (vs.nout > 0) outlier_values(vs, loc0, n, h, sc, row_acc(sc_.acc.data(), h, 0), false);
+  }
+
+  // ---- dense-and-sparse streams (quant/outlier_quant.hpp) over int / fp8: the kernels read
+  // the dense codes as usual (every channel has one; an outlier's holds its clamped value), and
+  // these add the sparse part: for each of the k outliers of a (token, head) vector, its fp16
+  // value minus the dense value at its channel, times the query (scores) or the softmax weight
+  // (values). Dequantization writes the exact values over the dense ones, so dense + this
+  // difference is what the oracle reads.
+
+  /// Dense value of (segment-local token loc, head h, channel d): code * scale + zero, as the
+  /// kernels see it (zero with the folded offset, fp8 unscaled value times scale * 2^8 for e4m3).
+  static float dense_at(const Stream& st, int64_t loc, int64_t h, int64_t d) {
+    const PackedView& v = st.view;
+    const int64_t H = v.shape.heads, D = v.shape.head_dim;
+    const auto e = static_cast<std::size_t>((loc * H + h) * D + d);
+    float c;
+    if (st.load == Load::kE4M3 || st.load == Load::kE5M2) {
+      const uint8_t b = v.codes[e];
+      c = st.load == Load::kE4M3 ? SimdScalar::from_e4m3(&b) : SimdScalar::from_e5m2(&b);
+    } else {  // int codes, st.bits wide, LSB-first bitstream
+      const std::size_t bit = e * static_cast<std::size_t>(st.bits);
+      uint32_t w = v.codes[bit / 8];
+      if (bit % 8 + static_cast<std::size_t>(st.bits) > 8) w |= static_cast<uint32_t>(v.codes[bit / 8 + 1]) << 8;
+      c = static_cast<float>((w >> (bit % 8)) & ((1u << st.bits) - 1u));
+    }
+    const auto g = static_cast<std::size_t>(st.box.index(loc, h, d));
+    const float sc = v.scale(g);
+    return std::fma(c, sc * st.mul, (st.zeros ? v.zero(g) : 0.f) - st.off * sc);
+  }
+
+  /// f(channel, value) for the outliers of vector (loc, h).
+  template <class F>
+  static void for_outliers(const Stream& st, int64_t loc, int64_t h, F&& f) {
+    const PackedView& v = st.view;
+    const int64_t k = st.nout;
+    const auto base = static_cast<std::size_t>((loc * v.shape.heads + h) * k);
+    const bool wide = v.shape.head_dim > 256;
+    for (int64_t j = 0; j < k; ++j) {
+      const std::size_t i = base + static_cast<std::size_t>(j);
+      uint16_t hb;
+      std::memcpy(&hb, v.outlier_values + 2 * i, 2);
+      const int64_t pos = wide ? (v.outlier_pos[2 * i] | (v.outlier_pos[2 * i + 1] << 8)) : v.outlier_pos[i];
+      f(pos, half_bits_to_float(hb));
+    }
+  }
+
+  /// Scores of tokens [loc0, loc0 + n) (sc[r * kTile + t], R rows of q, stride D) += q . sparse.
+  void outlier_scores(const Stream& st, int64_t loc0, int64_t n, int64_t h, const float* q,
+                      float* sc) const {
+    for (int64_t t = 0; t < n; ++t)
+      for_outliers(st, loc0 + t, h, [&](int64_t pos, float val) {
+        const float dv = val - dense_at(st, loc0 + t, h, pos);
+        for (int64_t r = 0; r < R_; ++r) sc[r * kTile + t] += q[r * P_.D + pos] * dv;
+      });
+  }
+
+  /// acc[r, channel] (R rows, stride D; even/odd channel order when eo) += p[r * kTile + t] *
+  /// sparse difference, tokens [loc0, loc0 + n).
+  void outlier_values(const Stream& st, int64_t loc0, int64_t n, int64_t h, const float* p,
+                      float* acc, bool eo) const {
+    for (int64_t t = 0; t < n; ++t)
+      for_outliers(st, loc0 + t, h, [&](int64_t pos, float val) {
+        const float dv = val - dense_at(st, loc0 + t, h, pos);
+        const int64_t i = eo ? (pos & ~int64_t{15}) + (pos & 1) * 8 + ((pos & 15) >> 1) : pos;
+        for (int64_t r = 0; r < R_; ++r) acc[r * P_.D + i] += p[r * kTile + t] * dv;
+      });
   }
 
   void rescale(float* x, float alpha) {
@@ -1457,6 +1544,8 @@ class Unit {
           decode_row<S, LC.value>(ks, row, sc_.ksg.data(), t, sc_.kms.data(), sc_.kmz.data(),
                                   sc_.kq.data(), out, D);
         });
+        if (ks.nout > 0)  // the exact outlier values over the dense ones, before the rotation
+          for_outliers(ks, loc0 + t, h, [&](int64_t pos, float val) { out[pos] = val; });
       }
       const int64_t pos = t0 + t;
       for (int64_t i = 0; i < D / 2; ++i) {
