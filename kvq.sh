@@ -29,7 +29,7 @@ jobs=${KVQ_JOBS:-$(nproc 2>/dev/null || echo 2)}
 
 need_pkgs() {
   local missing=()
-  for p in cmake g++ make libeigen3-dev libgtest-dev libbenchmark-dev; do
+  for p in cmake g++ make ninja-build libeigen3-dev libgtest-dev libbenchmark-dev; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
   done
   if [ ${#missing[@]} -gt 0 ]; then
@@ -41,10 +41,20 @@ need_pkgs() {
   fi
 }
 
+# Ninja when it is there (need_pkgs installs it): its object files start before the libraries
+# they link are built, so the one long compile (kvq_kernels, the fused attention) overlaps the
+# rest; an existing build directory keeps the generator it was made with.
+gen_args() {  # dir
+  if [ ! -f "$1/CMakeCache.txt" ] && command -v ninja >/dev/null 2>&1; then
+    echo "-G Ninja"
+  fi
+}
+
 configure_build() {  # dir, extra cmake args...   (KVQ_TARGETS: build only these targets)
   local dir=$1
   shift
-  cmake -S "$here" -B "$dir" -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
+  # shellcheck disable=SC2046
+  cmake -S "$here" -B "$dir" $(gen_args "$dir") -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
   if [ -n "${KVQ_TARGETS:-}" ]; then
     # shellcheck disable=SC2086
     cmake --build "$dir" -j "$jobs" --target $KVQ_TARGETS
@@ -88,7 +98,8 @@ case "$cmd" in
       #    starts by executing every seed of their corpora.)
       echo "kvq: sanitizer pass (ASan + UBSan; SIMD and scalar kernel tests)" >&2
       san="${build}-asan"
-      cmake -S "$here" -B "$san" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
+      # shellcheck disable=SC2046
+      cmake -S "$here" -B "$san" $(gen_args "$san") -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
         -DKVQ_SANITIZE=ON -DKVQ_NATIVE=ON -DKVQ_SCALAR_TWINS=ON -DKVQ_BUILD_BENCH=OFF \
         -DKVQ_CUDA=OFF >/dev/null
       n_san=$(cd "$san" && ctest -N -L asan -LE exhaustive | grep -c 'Test *#' || true)

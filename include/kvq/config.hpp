@@ -47,6 +47,28 @@
 #include <immintrin.h>
 #endif
 
+// Compiled-kernels mode (optional; README "Compile once"). By default kvq is header-only:
+// every translation unit that quantizes or runs attention instantiates those kernels itself, and
+// with -O3 the fused attention alone costs a minute or more of compile time per translation
+// unit. A project with many translation units can instead compile them once:
+//   * define KVQ_EXTERN_KERNELS in every translation unit that includes kvq (the heavy entry
+//     points -- kernels::attn::attend_segments, quantize_into<float>, dequantize_tokens<float>
+//     -- are then only declared there), and
+//   * define KVQ_KERNELS_IMPLEMENTATION (it implies KVQ_EXTERN_KERNELS) in exactly one
+//     translation unit that includes <kvq/kvq.hpp>: it holds their one definition.
+// All of them must see the same SIMD level (-march, KVQ_NO_SIMD). The definitions can also be
+// split over two translation units compiled in parallel: KVQ_KERNELS_IMPLEMENTATION_ATTENTION
+// (the fused attention) in one, KVQ_KERNELS_IMPLEMENTATION_QUANTIZE in the other. kvq's own
+// tests, tools and benchmarks build this way (CMake target kvq_kernels, KVQ_COMPILED_KERNELS).
+#ifdef KVQ_KERNELS_IMPLEMENTATION
+#define KVQ_KERNELS_IMPLEMENTATION_ATTENTION 1
+#define KVQ_KERNELS_IMPLEMENTATION_QUANTIZE 1
+#endif
+#if (defined(KVQ_KERNELS_IMPLEMENTATION_ATTENTION) || \
+     defined(KVQ_KERNELS_IMPLEMENTATION_QUANTIZE)) && !defined(KVQ_EXTERN_KERNELS)
+#define KVQ_EXTERN_KERNELS 1
+#endif
+
 namespace kvq {
 /// Name of the SIMD level the fast paths were compiled for ("avx512", "avx2", "scalar").
 inline const char* simd_level() {

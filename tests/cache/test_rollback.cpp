@@ -98,7 +98,9 @@ TEST_P(SpeculativeRollback, EqualsACacheThatOnlySawTheAcceptedTokens) {
       a.rollback = b.rollback = 0;
       ASSERT_EQ(a, b);
     }
-    if (n >= 3) ASSERT_EQ(attention(spec, 1, q, 3, NH), attention(plain, 1, q, 3, NH));
+    if (n >= 3) {
+      ASSERT_EQ(attention(spec, 1, q, 3, NH), attention(plain, 1, q, 3, NH));
+    }
     ++steps;
   }
   EXPECT_EQ(k_seen_max, B);

@@ -230,6 +230,22 @@ void dequantize_tokens(const PackedView& q, int64_t t0, const KVView<T>& out,
   fail(ErrorKind::kInvalidArgument, "unknown format code ", static_cast<int>(q.config.format));
 }
 
+// Compiled-kernels mode (config.hpp): the f32 instances, which every other entry point and the
+// cache reach, are instantiated once, in the KVQ_KERNELS_IMPLEMENTATION(_QUANTIZE) translation
+// unit.
+#ifdef KVQ_EXTERN_KERNELS
+#ifdef KVQ_KERNELS_IMPLEMENTATION_QUANTIZE
+#define KVQ_EXTERN_TEMPLATE_ template
+#else
+#define KVQ_EXTERN_TEMPLATE_ extern template
+#endif
+KVQ_EXTERN_TEMPLATE_ void quantize_into<float>(const QuantConfig&, const KVView<const float>&,
+                                               const PackedSpan&, QuantWorkspace&);
+KVQ_EXTERN_TEMPLATE_ void dequantize_tokens<float>(const PackedView&, int64_t,
+                                                   const KVView<float>&, QuantWorkspace&);
+#undef KVQ_EXTERN_TEMPLATE_
+#endif
+
 /// Reconstructs `q` into `out` (same shape, any strides, f32/f16/bf16).
 template <class T>
 void dequantize(const PackedView& q, const KVView<T>& out, QuantWorkspace& ws) {

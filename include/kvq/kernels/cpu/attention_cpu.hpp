@@ -1888,10 +1888,20 @@ inline void check_call(const std::vector<CacheSegment>& segs, int64_t T, int64_t
         if (!std::isfinite(q.at(i, h, d))) detail::throw_non_finite_row(q, i, h, "attend: query");
 }
 
-/// The entry point: ws.segs holds the segments (already filled by the caller).
-inline void attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D,
-                            KVView<const float> q, KVView<float> out, bool causal,
-                            const RopeConfig* rope, const AttentionOptions& opt, int layer) {
+/// The entry point: ws.segs holds the segments (already filled by the caller). Under
+/// KVQ_EXTERN_KERNELS (config.hpp) only declared here and defined once, in the translation unit
+/// that defines KVQ_KERNELS_IMPLEMENTATION(_ATTENTION).
+#if defined(KVQ_EXTERN_KERNELS) && !defined(KVQ_KERNELS_IMPLEMENTATION_ATTENTION)
+void attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D, KVView<const float> q,
+                     KVView<float> out, bool causal, const RopeConfig* rope,
+                     const AttentionOptions& opt, int layer);
+#else
+#ifndef KVQ_KERNELS_IMPLEMENTATION_ATTENTION
+inline
+#endif
+void attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D, KVView<const float> q,
+                     KVView<float> out, bool causal, const RopeConfig* rope,
+                     const AttentionOptions& opt, int layer) {
   check_call(ws.segs, T, H, D, q, out, causal, rope, layer);
   const int64_t nq = q.tokens();
   if (nq == 0) return;
@@ -1920,6 +1930,7 @@ inline void attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D,
 #endif
   attend_impl<SimdScalar>(ws, P, q, out, opt);
 }
+#endif  // KVQ_EXTERN_KERNELS
 
 }  // namespace attn
 }  // namespace kernels
