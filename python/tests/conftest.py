@@ -38,11 +38,23 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if _in_ci():
             pytest.fail(f"no C++ compiler or kvq headers (CXX={cxx}, include={include})")
         pytest.skip("no C++ compiler or kvq headers for the oracle")
-    exe = tmp_path_factory.mktemp("oracle") / "kvq_oracle"
-    cmd = [cxx, "-std=c++17", "-O3", *VARIANT_FLAGS[kvq.variant], "-I", str(include), str(src),
-           "-o", str(exe), "-lpthread"]
+    d = tmp_path_factory.mktemp("oracle")
+    exe = d / "kvq_oracle"
+    # kvq's compiled-kernels mode (include/kvq/config.hpp): the oracle and the three kernel
+    # translation units of REPO/cmake compile in parallel, then link.
+    units = [src] + [REPO / "cmake" / f"kvq_kernels_{u}.cpp"
+                     for u in ("attention", "attention_avx512", "quantize")]
+    flags = ["-std=c++17", "-O3", *VARIANT_FLAGS[kvq.variant], "-DKVQ_EXTERN_KERNELS=1", "-I",
+             str(include)]
+    cmds = [[cxx, *flags, "-c", str(u), "-o", str(d / (u.stem + ".o"))] for u in units]
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for c in cmds]
+    for c, p in zip(cmds, procs):
+        _, err = p.communicate()
+        assert p.returncode == 0, f"oracle build failed: {' '.join(c)}\n{err[-4000:]}"
+    cmd = [cxx, *[c[-1] for c in cmds], "-o", str(exe), "-lpthread"]
     r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, f"oracle build failed: {' '.join(cmd)}\n{r.stderr[-4000:]}"
+    assert r.returncode == 0, f"oracle link failed: {' '.join(cmd)}\n{r.stderr[-4000:]}"
     return exe
 
 

@@ -92,22 +92,8 @@ inline bool needs_f16_range(const QuantConfig& c) {
 
 }  // namespace detail
 
-/// One region of a layer's tokens, as for_each_segment() hands it out.
-struct CacheSegment {
-  enum class Kind : uint8_t { kSinks, kPacked, kResidual };
-  Kind kind = Kind::kSinks;
-  int64_t begin = 0;  ///< first token position
-  int64_t end = 0;    ///< one past the last token position
-  /// kPacked: the keys and values of one page, [end - begin, kv_heads, head_dim] each, as
-  /// views into the page (what kernels read; pages an engine fills give the same views).
-  PackedView key_view;
-  PackedView value_view;
-  /// kSinks / kResidual: f32 rows, contiguous [end - begin, kv_heads, head_dim].
-  KVView<const float> key_rows;
-  KVView<const float> value_rows;
-  int64_t tokens() const { return end - begin; }
-  bool packed() const { return kind == Kind::kPacked; }
-};
+// CacheSegment (one region of a layer's tokens, as for_each_segment() hands it out) lives in
+// layout/page_layout.hpp, below the attention kernels that read it.
 
 /// Bytes of one layer's keys (or values), by kind.
 struct StreamBytes {

@@ -288,6 +288,24 @@ void dequantize_page(const PageLayout& L, const std::byte* page, int64_t filled,
   dequantize_tokens(L.value_view(page, filled), a, v_out, ws);
 }
 
+/// One region of a layer's tokens, as KVCache::for_each_segment() hands it out and the attention
+/// kernels read it (sinks and residual as f32 rows, each page as packed views).
+struct CacheSegment {
+  enum class Kind : uint8_t { kSinks, kPacked, kResidual };
+  Kind kind = Kind::kSinks;
+  int64_t begin = 0;  ///< first token position
+  int64_t end = 0;    ///< one past the last token position
+  /// kPacked: the keys and values of one page, [end - begin, kv_heads, head_dim] each, as
+  /// views into the page (what kernels read; pages an engine fills give the same views).
+  PackedView key_view;
+  PackedView value_view;
+  /// kSinks / kResidual: f32 rows, contiguous [end - begin, kv_heads, head_dim].
+  KVView<const float> key_rows;
+  KVView<const float> value_rows;
+  int64_t tokens() const { return end - begin; }
+  bool packed() const { return kind == Kind::kPacked; }
+};
+
 /// One layer's packed tokens as an engine sees them: a page table. Token i of the packed
 /// region (position first_token + i) lives in page i / layout.page_tokens at row
 /// i % layout.page_tokens. Every page but the last is full; the last holds

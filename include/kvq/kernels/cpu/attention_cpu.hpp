@@ -41,7 +41,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "kvq/cache/kv_cache.hpp"
 #include "kvq/core/bitpack.hpp"
 #include "kvq/core/error.hpp"
 #include "kvq/core/rope.hpp"
@@ -51,6 +50,7 @@
 #include "kvq/kernels/cpu/attention_avx2.hpp"
 #include "kvq/kernels/cpu/attention_simd.hpp"
 #include "kvq/kernels/cpu/uniform_cpu.hpp"
+#include "kvq/layout/page_layout.hpp"
 #include "kvq/quant/lloyd_max_quant.hpp"
 #include "kvq/quant/packed_view.hpp"
 #include "kvq/quant/quantize.hpp"
@@ -1887,6 +1887,19 @@ inline void check_call(const std::vector<CacheSegment>& segs, int64_t T, int64_t
       for (int64_t d = 0; d < D; ++d)
         if (!std::isfinite(q.at(i, h, d))) detail::throw_non_finite_row(q, i, h, "attend: query");
 }
+
+// Compiled-kernels mode split further (config.hpp): with KVQ_KERNELS_SEPARATE_AVX512 the AVX-512
+// instance of attend_impl is compiled in its own translation unit
+// (KVQ_KERNELS_IMPLEMENTATION_ATTENTION_AVX512), in parallel with the AVX2 and scalar ones.
+#if KVQ_HAS_AVX512 && defined(KVQ_EXTERN_KERNELS)
+#if defined(KVQ_KERNELS_IMPLEMENTATION_ATTENTION_AVX512)
+template void attend_impl<Simd512>(Workspace&, Problem&, KVView<const float>, KVView<float>,
+                                   const AttentionOptions&);
+#elif defined(KVQ_KERNELS_IMPLEMENTATION_ATTENTION) && defined(KVQ_KERNELS_SEPARATE_AVX512)
+extern template void attend_impl<Simd512>(Workspace&, Problem&, KVView<const float>,
+                                          KVView<float>, const AttentionOptions&);
+#endif
+#endif
 
 /// The entry point: ws.segs holds the segments (already filled by the caller). Under
 /// KVQ_EXTERN_KERNELS (config.hpp) only declared here and defined once, in the translation unit
