@@ -6,4 +6,4 @@
 // one file with KVQ_KERNELS_IMPLEMENTATION instead.)
 #define KVQ_KERNELS_IMPLEMENTATION_ATTENTION 1
 #define KVQ_KERNELS_SEPARATE_AVX512 1
-#include "kvq/kvq.hpp"
+#include "kvq/attention/attention.hpp"
