@@ -31,11 +31,23 @@ namespace attn {
 namespace avx2 {
 
 using V = __m256;
+#if KVQ_HAS_AVX512
+/// AVX-512 builds: 16 consecutive channels in one 16-lane vector (the AVX2 build's vector a is
+/// its low half, b its high half, so even/odd order and every layout below are the same). The
+/// microkernels then issue half the loads, conversions and FMAs of the AVX2 build.
+struct V2 {
+  __m512 v;
+};
+/// True when V2 is one 16-lane vector.
+constexpr bool kWide = true;
+#else
 /// Two vectors: 16 consecutive channels. Loaders return it by value (GCC keeps the kernels'
 /// accumulators in registers then; with vectors passed by reference it spilled them).
 struct V2 {
   V a, b;
 };
+constexpr bool kWide = false;
+#endif
 
 #if defined(__GNUC__)
 #define KVQ_AVX2_INLINE inline __attribute__((always_inline))
@@ -76,6 +88,66 @@ inline void from_eo(const float* x, float* out, int64_t D) {
 /// Channels [16 jp, 16 jp + 16) of one stored row as two vectors (unscaled, as Simd256's
 /// loaders give them: raw values, integer codes, fp8 values times 2^-8 for e4m3, centroids),
 /// in natural order, or in even/odd order when eo_order(L).
+#if KVQ_HAS_AVX512
+template <Load L>
+KVQ_AVX2_INLINE V2 ld2(const uint8_t* row, int64_t jp, const float* lut) {
+  (void)lut;
+  __m512 x;
+  if constexpr (L == Load::kF32) {
+    x = _mm512_loadu_ps(reinterpret_cast<const float*>(row) + 16 * jp);
+  } else if constexpr (L == Load::kF16) {
+    x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * jp)));
+  } else if constexpr (L == Load::kBF16) {
+    x = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * jp))), 16));
+  } else if constexpr (L == Load::kU8 || L == Load::kLut8) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * jp)));
+    if constexpr (L == Load::kU8) {
+      x = _mm512_cvtepi32_ps(c);
+    } else {  // codes < 16: one permute over the 16-entry table
+      x = _mm512_permutexvar_ps(c, _mm512_loadu_ps(lut));
+    }
+  } else if constexpr (L == Load::kU4 || L == Load::kLut4) {
+    // even/odd order: the 8 bytes twice, low nibbles in lanes 0-7, high nibbles in lanes 8-15
+    int64_t w;
+    std::memcpy(&w, row + 8 * jp, 8);
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_set1_epi64x(w));
+    const __m512i c = _mm512_and_si512(
+        _mm512_srlv_epi32(b, _mm512_set_epi32(4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0)),
+        _mm512_set1_epi32(15));
+    if constexpr (L == Load::kU4) {
+      x = _mm512_cvtepi32_ps(c);
+    } else {
+      x = _mm512_permutexvar_ps(c, _mm512_loadu_ps(lut));
+    }
+  } else if constexpr (L == Load::kU2) {
+    int32_t w;
+    std::memcpy(&w, row + 4 * jp, 4);
+    x = _mm512_cvtepi32_ps(_mm512_and_si512(
+        _mm512_srlv_epi32(_mm512_set1_epi32(w), _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16,
+                                                                 14, 12, 10, 8, 6, 4, 2, 0)),
+        _mm512_set1_epi32(3)));
+  } else if constexpr (L == Load::kE4M3 || L == Load::kE5M2) {
+    // as in the AVX2 loader below: 16 bytes -> 16 fp16 lanes -> 16 floats
+    const __m256i w = _mm256_slli_epi16(
+        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * jp))), 8);
+    __m256i h = w;
+    if constexpr (L == Load::kE4M3)
+      h = _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+    x = _mm512_cvtph_ps(h);
+  }
+  return V2{x};
+}
+
+/// x * s + z with one scale and zero point for all 16 channels.
+KVQ_AVX2_INLINE V2 fma_bcast(V2 x, const float* s, const float* z) {
+  return V2{_mm512_fmadd_ps(x.v, _mm512_set1_ps(*s), _mm512_set1_ps(*z))};
+}
+/// x * s[0, 16) + z[0, 16) channel by channel.
+KVQ_AVX2_INLINE V2 fma_vec(V2 x, const float* s, const float* z) {
+  return V2{_mm512_fmadd_ps(x.v, _mm512_loadu_ps(s), _mm512_loadu_ps(z))};
+}
+#else
 template <Load L>
 inline V2 ld2(const uint8_t* row, int64_t jp, const float* lut) {
   (void)lut;
@@ -141,6 +213,16 @@ inline V2 ld2(const uint8_t* row, int64_t jp, const float* lut) {
   return V2{a, b};
 }
 
+KVQ_AVX2_INLINE V2 fma_bcast(V2 x, const float* s, const float* z) {
+  const V sv = _mm256_broadcast_ss(s), zv = _mm256_broadcast_ss(z);
+  return V2{_mm256_fmadd_ps(x.a, sv, zv), _mm256_fmadd_ps(x.b, sv, zv)};
+}
+KVQ_AVX2_INLINE V2 fma_vec(V2 x, const float* s, const float* z) {
+  return V2{_mm256_fmadd_ps(x.a, _mm256_loadu_ps(s), _mm256_loadu_ps(z)),
+            _mm256_fmadd_ps(x.b, _mm256_loadu_ps(s + 8), _mm256_loadu_ps(z + 8))};
+}
+#endif
+
 /// The 8 horizontal sums of v[0..7], in order, in one vector.
 inline V hsum8(const V* v) {
   const V h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
@@ -149,6 +231,39 @@ inline V hsum8(const V* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+#if KVQ_HAS_AVX512
+/// Scores of TB tokens (t .. t+TB-1) x RB query rows: sc[r * ss + t + u] = q[r, :] . k(t + u, :).
+/// kl(t, jp) returns channels [16 jp, 16 jp + 16) of token t. AVX-512: one FMA per row, token
+/// and 16 channels; the keys of the TB tokens stay in registers (32 of them).
+template <int RB, int TB, class KL>
+KVQ_AVX2_INLINE void dot_blk(const KL& kl, int64_t t, int64_t njp, const float* q, int64_t D,
+                             float* sc, int64_t ss) {
+  __m512 acc[RB * TB];
+  for (int i = 0; i < RB * TB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t jp = 0; jp < njp; ++jp) {
+    __m512 k[TB];
+    for (int u = 0; u < TB; ++u) k[u] = kl(t + u, jp).v;
+    for (int r = 0; r < RB; ++r) {
+      const __m512 qv = _mm512_loadu_ps(q + r * D + 16 * jp);
+      for (int u = 0; u < TB; ++u) acc[r * TB + u] = _mm512_fmadd_ps(qv, k[u], acc[r * TB + u]);
+    }
+  }
+  if constexpr (RB * TB % 8 == 0) {
+    for (int i0 = 0; i0 < RB * TB; i0 += 8) {
+      V h[8];
+      for (int i = 0; i < 8; ++i)
+        h[i] = _mm256_add_ps(_mm512_castps512_ps256(acc[i0 + i]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i0 + i]), 1)));
+      alignas(32) float s[8];
+      _mm256_store_ps(s, hsum8(h));
+      for (int i = 0; i < 8; ++i) sc[((i0 + i) / TB) * ss + t + (i0 + i) % TB] = s[i];
+    }
+  } else {
+    for (int r = 0; r < RB; ++r)
+      for (int u = 0; u < TB; ++u) sc[r * ss + t + u] = _mm512_reduce_add_ps(acc[r * TB + u]);
+  }
+}
+#else
 /// Scores of TB tokens (t .. t+TB-1) x RB query rows: sc[r * ss + t + u] = q[r, :] . k(t + u, :).
 /// kl(t, jp) returns channels [16 jp, 16 jp + 16) of token t.
 template <int RB, int TB, class KL>
@@ -192,6 +307,7 @@ KVQ_AVX2_INLINE void dot_blk(const KL& kl, int64_t t, int64_t njp, const float* 
       for (int u = 0; u < TB; ++u) sc[r * ss + t + u] = Simd256::reduce(acc[r * TB + u]);
   }
 }
+#endif
 
 template <int RB, int TB, class KL>
 inline void dot_tok(const KL& kl, int64_t n, int64_t njp, const float* q, int64_t D, float* sc,
@@ -214,6 +330,28 @@ inline void dot(const KL& kl, int64_t n, int64_t njp, const float* q, int64_t D,
   if (r < R) dot_tok<1, 8>(kl, n, njp, q + r * D, D, sc + r * ss, ss);
 }
 
+#if KVQ_HAS_AVX512
+/// acc[r, 16 jp0 .. 16 (jp0 + JP)) += sum_t w_r(t) v(t, ...) for RB rows and the tokens
+/// [t0, t1) (at most kTokBlock), accumulated in registers (one 16-lane vector per row and 16
+/// channels).
+template <int RB, int JP, class VL>
+KVQ_AVX2_INLINE void axpy_blk(const VL& vl, int64_t t0, int64_t t1, int64_t jp0, const float* w,
+                              int64_t wr, float* acc, int64_t D) {
+  __m512 a[RB * JP];
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < JP; ++p) a[r * JP + p] = _mm512_loadu_ps(acc + r * D + 16 * (jp0 + p));
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 v[JP];
+    for (int p = 0; p < JP; ++p) v[p] = vl(t, jp0 + p).v;
+    for (int r = 0; r < RB; ++r) {
+      const __m512 wb = _mm512_set1_ps(w[r * wr + t]);
+      for (int p = 0; p < JP; ++p) a[r * JP + p] = _mm512_fmadd_ps(wb, v[p], a[r * JP + p]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int p = 0; p < JP; ++p) _mm512_storeu_ps(acc + r * D + 16 * (jp0 + p), a[r * JP + p]);
+}
+#else
 /// acc[r, 16 jp0 .. 16 (jp0 + JP)) += sum_t w_r(t) v(t, ...) for RB rows and the tokens
 /// [t0, t1) (at most kTokBlock), accumulated in registers.
 template <int RB, int JP, class VL>
@@ -248,6 +386,7 @@ KVQ_AVX2_INLINE void axpy_blk(const VL& vl, int64_t t0, int64_t t1, int64_t jp0,
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < 2 * JP; ++c) _mm256_storeu_ps(acc + r * D + 16 * jp0 + 8 * c, a[r * 2 * JP + c]);
 }
+#endif
 
 /// One block of tokens [t0, t1), every channel pair (a block's rows stay in L1 while all of
 /// their channels are accumulated).

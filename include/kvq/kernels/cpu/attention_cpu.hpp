@@ -661,7 +661,7 @@ class Unit {
   using Piece = Scratch::Piece;
 
   /// Tokens scored ahead of the current one whose key rows are prefetched.
-  static constexpr int64_t kKeyAhead = 4;
+  static constexpr int64_t kKeyAhead = 12;
 
   /// True when the AVX2 microkernels read this stream.
   static bool fast_stream(const Stream& st) {
@@ -812,7 +812,7 @@ class Unit {
   }
 
   static void prefetch_rows(const uint8_t* p, int64_t span) {
-    for (int64_t o = 0; o < span; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+    for (int64_t o = 0; o < span; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
   }
 
   /// Per-token metadata of piece p, head h, group-major: ms[g * kTile + p.o + t] (kRow: g = 0;
@@ -970,7 +970,7 @@ class Unit {
         const float* qr = q + h * qh;
         float* s = sc + h * R * kTile;
         int64_t r = 0;
-        if constexpr (T == 2 || T == 1)
+        if constexpr (T == 1 || T == 2 || (avx2::kWide && T == 4))
           for (; r + 4 <= R; r += 4) avx2::dot_blk<4, T>(kl, t, njp, qr + r * D, D, s + r * kTile, kTile);
         if constexpr (T <= 4)
           for (; r + 2 <= R; r += 2) avx2::dot_blk<2, T>(kl, t, njp, qr + r * D, D, s + r * kTile, kTile);
@@ -986,7 +986,7 @@ class Unit {
   void dot_all(int64_t a, int64_t b, int64_t n, const float* q, int64_t qh, const MakeKL& make,
                int64_t kspan, int64_t vspan) {
     if (R_ >= 4) {
-      dot_heads<2>(a, b, n, q, qh, make, kspan, vspan);
+      dot_heads<avx2::kWide ? 4 : 2>(a, b, n, q, qh, make, kspan, vspan);
     } else if (R_ >= 2) {
       dot_heads<4>(a, b, n, q, qh, make, kspan, vspan);
     } else {
@@ -1006,15 +1006,17 @@ class Unit {
       for (int64_t h = 0; h < H; ++h) {
         const auto vl = make(h);
         int64_t r = 0;
+        // channel pairs per block: 8 (AVX2) or 16 (AVX-512) vector accumulators
+        constexpr int kJ = avx2::kWide ? 2 : 1;
         for (; r + 4 <= R; r += 4)
-          avx2::axpy_tokens<4, 1>(vl, t0, t1, njp, w + (h * R + r) * wr, wr, wg, gc,
-                                  base + (h * R + r) * D, D);
+          avx2::axpy_tokens<4, kJ>(vl, t0, t1, njp, w + (h * R + r) * wr, wr, wg, gc,
+                                   base + (h * R + r) * D, D);
         for (; r + 2 <= R; r += 2)
-          avx2::axpy_tokens<2, 2>(vl, t0, t1, njp, w + (h * R + r) * wr, wr, wg, gc,
-                                  base + (h * R + r) * D, D);
+          avx2::axpy_tokens<2, 2 * kJ>(vl, t0, t1, njp, w + (h * R + r) * wr, wr, wg, gc,
+                                       base + (h * R + r) * D, D);
         for (; r < R; ++r)
-          avx2::axpy_tokens<1, 4>(vl, t0, t1, njp, w + (h * R + r) * wr, wr, wg, gc,
-                                  base + (h * R + r) * D, D);
+          avx2::axpy_tokens<1, 4 * kJ>(vl, t0, t1, njp, w + (h * R + r) * wr, wr, wg, gc,
+                                       base + (h * R + r) * D, D);
       }
     }
   }
@@ -1144,12 +1146,8 @@ class Unit {
           const float* hms = ms + h * ng * kTile;
           const float* hmz = mz + h * ng * kTile;
           return [rp, off, lut, gc, hms, hmz](int64_t t, int64_t jp) {
-            avx2::V2 x = avx2::ld2<L>(rp[t] + off, jp, lut);
             const int64_t g = (16 * jp / gc) * kTile + t;
-            const V s = _mm256_broadcast_ss(hms + g), z = _mm256_broadcast_ss(hmz + g);
-            x.a = _mm256_fmadd_ps(x.a, s, z);
-            x.b = _mm256_fmadd_ps(x.b, s, z);
-            return x;
+            return avx2::fma_bcast(avx2::ld2<L>(rp[t] + off, jp, lut), hms + g, hmz + g);
           };
         };
         dot_all(0, n, n, qs, HR * D, deq, kspan, vspan);
@@ -1225,11 +1223,7 @@ class Unit {
           const float* hms = ms + h * D;
           const float* hmz = mz + h * D;
           return [rp, off, lut, hms, hmz](int64_t t, int64_t jp) {
-            avx2::V2 x = avx2::ld2<L>(rp[t] + off, jp, lut);
-            x.a = _mm256_fmadd_ps(x.a, _mm256_loadu_ps(hms + 16 * jp), _mm256_loadu_ps(hmz + 16 * jp));
-            x.b = _mm256_fmadd_ps(x.b, _mm256_loadu_ps(hms + 16 * jp + 8),
-                                  _mm256_loadu_ps(hmz + 16 * jp + 8));
-            return x;
+            return avx2::fma_vec(avx2::ld2<L>(rp[t] + off, jp, lut), hms + 16 * jp, hmz + 16 * jp);
           };
         };
         axpy_all(pc.o, pc.o + pc.n, p, kTile, 0, 0, sc_.acc.data(), deq);
@@ -1936,7 +1930,8 @@ void attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D, KVView<cons
   P.nchunks = (T + P.split - 1) / P.split;
   P.nqb = (nq + kQueryBlock - 1) / kQueryBlock;
 #if KVQ_HAS_AVX512
-  if (D % 16 == 0) return attend_impl<Simd512>(ws, P, q, out, opt);
+  if (D % 16 == 0 && !(KVQ_HAS_AVX2 && KVQ_HAS_F16C && rope == nullptr))
+    return attend_impl<Simd512>(ws, P, q, out, opt);
 #endif
 #if KVQ_HAS_AVX2 && KVQ_HAS_F16C
   if (D % 8 == 0) return attend_impl<Simd256>(ws, P, q, out, opt);
