@@ -116,8 +116,11 @@ case "$cmd" in
       # ThreadSanitizer: only the concurrency tests (the thread-safety contract in
       # docs/reliability.md), only their target, so CI stays short.
       echo "kvq: ThreadSanitizer pass (test_concurrency)" >&2
+      # The kernels compile scalar (KVQ_NO_SIMD): the threads, splits, merges and workspaces
+      # under test are the same code at every SIMD level, and the SIMD instances would triple
+      # this build's time (the ASan pass runs those).
       KVQ_TARGETS=test_concurrency configure_build "${build}-tsan" -DCMAKE_BUILD_TYPE=Debug \
-        -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" -DKVQ_TSAN=ON -DKVQ_BUILD_BENCH=OFF -DKVQ_CUDA=OFF
+        -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g -DKVQ_NO_SIMD=1" -DKVQ_TSAN=ON -DKVQ_BUILD_BENCH=OFF -DKVQ_CUDA=OFF
       (cd "${build}-tsan" && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
         ctest --output-on-failure -R '^test_concurrency$')
     fi
@@ -186,7 +189,14 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
       "$here/python" -Cbuild-dir="$here/$build/py-build" \
       ${KVQ_PY_VARIANTS:+-Ccmake.define.KVQ_PY_VARIANTS="$KVQ_PY_VARIANTS"}
     rc=0
-    KVQ_TOOLS_DIR="$here/$build/examples" "$venv/bin/python" -m pytest "$here/python/tests" -q \
+    # The pytest oracle links the release build's compiled kernels when that build exists
+    # (brought up to date first; python/tests/conftest.py), instead of compiling them again.
+    kernels_lib=""
+    if [ -f "$here/$build/CMakeCache.txt" ] && cmake --build "$here/$build" -j "$jobs" --target kvq_kernels >/dev/null \
+        && [ -f "$here/$build/libkvq_kernels.a" ]; then
+      kernels_lib="$here/$build/libkvq_kernels.a"
+    fi
+    KVQ_KERNELS_LIB="$kernels_lib" KVQ_TOOLS_DIR="$here/$build/examples" "$venv/bin/python" -m pytest "$here/python/tests" -q \
       -p no:cacheprovider "$@" || rc=$?
     echo "kvq: python step (venv, build tools, module build, pytest) took $((SECONDS - start)) s" >&2
     if [ "$rc" -eq 5 ]; then

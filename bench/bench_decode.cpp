@@ -11,6 +11,9 @@
 //                                 decode size.
 //   BM_Prefill/<policy>/<chunk>   attend of <chunk> causal queries at the newest positions of
 //                                 a 2048-token cache; items/s = queries per second.
+// Besides the presets, BM_Decode/<name>/32768 for KVQuant-style caches (kExtraPolicies): nuq
+// codebooks (calibrated once on other synthetic data) and 1% dense-and-sparse outliers, both
+// read in the fused kernels.
 // kvq_bench_report turns these into fractions of the stream bandwidth and speedups over f16.
 #include <benchmark/benchmark.h>
 
@@ -27,6 +30,7 @@
 #include "kvq/attention/attention.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/policy/spec.hpp"
+#include "kvq/quant/calibrate.hpp"
 
 namespace {
 
@@ -35,6 +39,11 @@ constexpr int kDim = 128;
 constexpr int kQueryHeads = 32;
 constexpr int64_t kMaxTokens = 32768;
 const char* const kPolicies[] = {"f32", "f16", "fp8", "k8v4", "kivi4", "kivi2", "turbo4"};
+/// Decode-only extras at the largest size: bench name -> policy spec (KIVI's geometry).
+const std::pair<const char*, const char*> kExtraPolicies[] = {
+    {"kivi4-out1", "k=int4/channel/g32/out1%,v=int4/token/g32/out1%,residual=32"},
+    {"nuq4", "k=nuq4/channel/g32,v=nuq4/token/g32,residual=32"},
+    {"nuq3-out1", "k=nuq3/channel/g32/out1%,v=nuq3/token/g32/out1%,residual=32"}};
 const int64_t kDecodeTokens[] = {1024, 8192, 32768};
 const int64_t kPrefillChunks[] = {16, 128};
 constexpr int64_t kPrefillContext = 2048;
@@ -48,13 +57,41 @@ const std::vector<float>& input(bool key) {
   return key ? k : v;
 }
 
+/// The policy of a bench name: a preset, or an extra (nuq codebooks calibrated once on 4096
+/// tokens of synthetic data made with other seeds than the cached tokens).
+const kvq::Policy& policy_of(const std::string& name) {
+  static std::map<std::string, kvq::Policy> policies;
+  auto it = policies.find(name);
+  if (it != policies.end()) return it->second;
+  std::string spec = name;
+  for (const auto& e : kExtraPolicies)
+    if (name == e.first) spec = e.second;
+  kvq::Policy pol = kvq::parse_policy(spec);
+  if (spec.find("nuq") != std::string::npos) {
+    constexpr int64_t kCalTokens = 4096;
+    kvq::CalibrationSet cs;
+    cs.n_layers = 1;
+    cs.kv_heads = kKvHeads;
+    cs.head_dim = kDim;
+    kvq::CalibrationSet::Sequence seq;
+    seq.tokens = kCalTokens;
+    kvq::CalibrationSet::Layer L;
+    L.k = kvq_bench::make_input(static_cast<std::size_t>(kCalTokens) * kKvHeads * kDim, 21);
+    L.v = kvq_bench::make_input(static_cast<std::size_t>(kCalTokens) * kKvHeads * kDim, 22);
+    seq.layers.push_back(std::move(L));
+    cs.sequences.push_back(std::move(seq));
+    pol = kvq::calibrate(pol, cs);
+  }
+  return policies.emplace(name, std::move(pol)).first->second;
+}
+
 /// A one-layer cache of `tokens` tokens under `policy`, built once per (policy, tokens) and kept
 /// (repetitions reuse it).
 const kvq::KVCache& cache_for(const std::string& policy, int64_t tokens) {
   static std::map<std::pair<std::string, int64_t>, std::unique_ptr<kvq::KVCache>> caches;
   auto& slot = caches[{policy, tokens}];
   if (!slot) {
-    slot = std::make_unique<kvq::KVCache>(kvq::parse_policy(policy), 1, kKvHeads, kDim);
+    slot = std::make_unique<kvq::KVCache>(policy_of(policy), 1, kKvHeads, kDim);
     const float* k = input(true).data();
     const float* v = input(false).data();
     const int64_t row = int64_t{kKvHeads} * kDim;
@@ -125,7 +162,7 @@ void BM_Prefill(benchmark::State& state, std::string policy, int64_t chunk) {
 /// real cache.
 int64_t stored_bytes(const std::string& policy, int64_t tokens) {
   auto bytes_of = [&](int64_t n) {
-    kvq::KVCache c(kvq::parse_policy(policy), 1, kKvHeads, kDim);
+    kvq::KVCache c(policy_of(policy), 1, kKvHeads, kDim);
     const int64_t row = int64_t{kKvHeads} * kDim;
     // Stored bytes do not depend on the values: a small all-zero input (no 32k-token input
     // to build at registration time).
@@ -169,8 +206,8 @@ std::string cpu_flags() {
       for (const char* fl : {"avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                              "avx512_bf16", "f16c"})
         if (line.find(std::string(" ") + fl + " ") != std::string::npos ||
-            line.size() >= std::strlen(fl) &&
-                line.compare(line.size() - std::strlen(fl), std::string::npos, fl) == 0)
+            (line.size() >= std::strlen(fl) &&
+             line.compare(line.size() - std::strlen(fl), std::string::npos, fl) == 0))
           out += (out.empty() ? "" : " ") + std::string(fl);
       return out;
     }
@@ -191,6 +228,14 @@ int register_all() {
           [p = std::string(p), n](benchmark::State& s) { BM_Decode(s, p, n); })
           ->Unit(benchmark::kMillisecond);
     }
+  for (const auto& e : kExtraPolicies) {
+    const int64_t n = kMaxTokens;
+    sizes.insert(stored_bytes(e.first, n));
+    benchmark::RegisterBenchmark(
+        ("BM_Decode/" + std::string(e.first) + "/" + std::to_string(n)).c_str(),
+        [p = std::string(e.first), n](benchmark::State& s) { BM_Decode(s, p, n); })
+        ->Unit(benchmark::kMillisecond);
+  }
   for (int64_t b : sizes)
     benchmark::RegisterBenchmark(("BM_StreamRead/" + std::to_string(b)).c_str(),
                                  [b](benchmark::State& s) { BM_StreamRead(s, b); })

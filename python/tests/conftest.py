@@ -41,9 +41,14 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("oracle")
     exe = d / "kvq_oracle"
     # kvq's compiled-kernels mode (include/kvq/config.hpp): the oracle and the three kernel
-    # translation units of REPO/cmake compile in parallel, then link.
-    units = [src] + [REPO / "cmake" / f"kvq_kernels_{u}.cpp"
-                     for u in ("attention", "attention_avx512", "quantize")]
+    # translation units of REPO/cmake compile in parallel, then link. KVQ_KERNELS_LIB (set by
+    # `./kvq.sh python` when the release build has it): that build's libkvq_kernels.a, the same
+    # units compiled with -O3 -march=native from the same headers, is linked instead of compiling
+    # them again (only for the "native" module variant, whose flags it shares).
+    lib = os.environ.get("KVQ_KERNELS_LIB", "")
+    reuse = bool(lib) and Path(lib).is_file() and kvq.variant == "native"
+    units = [src] + ([] if reuse else [REPO / "cmake" / f"kvq_kernels_{u}.cpp"
+                                       for u in ("attention", "attention_avx512", "quantize")])
     flags = ["-std=c++17", "-O3", *VARIANT_FLAGS[kvq.variant], "-DKVQ_EXTERN_KERNELS=1", "-I",
              str(include)]
     cmds = [[cxx, *flags, "-c", str(u), "-o", str(d / (u.stem + ".o"))] for u in units]
@@ -52,7 +57,7 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for c, p in zip(cmds, procs):
         _, err = p.communicate()
         assert p.returncode == 0, f"oracle build failed: {' '.join(c)}\n{err[-4000:]}"
-    cmd = [cxx, *[c[-1] for c in cmds], "-o", str(exe), "-lpthread"]
+    cmd = [cxx, *[c[-1] for c in cmds], *([lib] if reuse else []), "-o", str(exe), "-lpthread"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, f"oracle link failed: {' '.join(cmd)}\n{r.stderr[-4000:]}"
     return exe

@@ -1,7 +1,8 @@
 // nuq and dense-and-sparse configs through the paged layout, the streaming cache and attention:
-// page bytes equal quantize(), the fused attention equals the double-precision oracle (nuq pages
-// decoded to rows; outliers over int / fp8 read in the kernels: dense codes, then the sparse
-// differences), and a nuq policy without calibration is refused clearly.
+// page bytes equal quantize(), the fused attention equals the double-precision oracle (nuq codes
+// and outliers over int / fp8 / nuq read in the kernels, no page decoded to rows: dense codes
+// through the layer's level table for nuq, then the sparse differences), and a nuq policy
+// without calibration is refused clearly.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -36,6 +37,27 @@ kvq::Policy calibrated(const std::string& spec, int64_t H, int64_t D) {
   return kvq::calibrate(kvq::parse_policy(spec), s);
 }
 
+/// `spec` parsed, calibrated first when it names a nuq format.
+kvq::Policy policy_for(const std::string& spec, int64_t H, int64_t D) {
+  return spec.find("nuq") != std::string::npos ? calibrated(spec, H, D) : kvq::parse_policy(spec);
+}
+
+/// A 1-layer cache of `spec` holding T tokens of kv_data (keys seed ks, values vs): the first
+/// `prefill` appended at once, the rest one per step (decode), so sinks, pages and the
+/// residual window all hold tokens.
+kvq::KVCache filled_cache(const std::string& spec, int64_t H, int64_t D, int64_t T, int64_t prefill,
+                          uint32_t ks, uint32_t vs) {
+  kvq::KVCache c(policy_for(spec, H, D), 1, static_cast<int>(H), static_cast<int>(D));
+  const auto kd = kvq_test::kv_data({T, H, D}, ks, true);
+  const auto vd = kvq_test::kv_data({T, H, D}, vs, false);
+  c.append(0, KVView<const float>::nhd(kd.data(), prefill, H, D),
+           KVView<const float>::nhd(vd.data(), prefill, H, D));
+  for (int64_t t = prefill; t < T; ++t)
+    c.append(0, KVView<const float>::nhd(kd.data() + t * H * D, 1, H, D),
+             KVView<const float>::nhd(vd.data() + t * H * D, 1, H, D));
+  return c;
+}
+
 TEST(OutlierPages, PageBytesEqualQuantize) {
   const int64_t P = 32, H = 2, D = 64;
   const kvq::Policy pol = calibrated("k=nuq3/channel/g16/out1%,v=int3/token/g32/out2", H, D);
@@ -68,15 +90,7 @@ TEST(OutlierAttention, FusedEqualsOracle) {
   for (const char* spec :
        {"k=nuq3/channel/g32,v=nuq3/token/g32,residual=16", "k=int3/channel/g32/out1%,v=int3/token/g32/out1",
         "k=nuq2/channel/g32/out2,v=nuq4/token/g64/out1%,sinks=4", "k=e4m3/head/out1,v=nuq3"}) {
-    const kvq::Policy pol = calibrated(spec, H, D);
-    kvq::KVCache c(pol, 1, static_cast<int>(H), static_cast<int>(D));
-    const auto kd = kvq_test::kv_data({T, H, D}, 8, true);
-    const auto vd = kvq_test::kv_data({T, H, D}, 9, false);
-    c.append(0, KVView<const float>::nhd(kd.data(), 40, H, D),
-             KVView<const float>::nhd(vd.data(), 40, H, D));
-    for (int64_t t = 40; t < T; ++t)
-      c.append(0, KVView<const float>::nhd(kd.data() + t * H * D, 1, H, D),
-               KVView<const float>::nhd(vd.data() + t * H * D, 1, H, D));
+    const kvq::KVCache c = filled_cache(spec, H, D, T, 40, 8, 9);
     for (int64_t nq : {int64_t{1}, int64_t{7}}) {
       const auto q = kvq_test::kv_data({nq, nh, D}, 70, false);
       std::vector<float> out(q.size()), ref(q.size());
@@ -96,6 +110,7 @@ TEST(OutlierAttention, FusedEqualsOracle) {
         worst = std::max(worst, err / mx);
       }
       EXPECT_LT(worst, 2e-5) << spec << " nq " << nq;
+      EXPECT_TRUE(ws.w.decoded.empty()) << spec << ": pages were decoded to rows";
     }
   }
 }
@@ -123,10 +138,11 @@ double fused_error(const kvq::KVCache& c, int64_t nh, int64_t nq, const kvq::Rop
   return worst;
 }
 
-// ---- outliers over int and fp8 dense formats are read in the kernels (no page is decoded to
-// rows): every axis, odd and even bit widths, 1 and several outliers, head_dim 64/128 (the
-// 16-channel AVX2 microkernels) and 40 (the 8-lane path), GQA 1/4, decode and prefill, 1 and 2
-// threads, pre-RoPE keys.
+// ---- nuq codes and outliers over int, fp8 and nuq dense formats are read in the kernels (no
+// page is decoded to rows): every axis, odd and even bit widths (nuq4: the 16-channel table
+// loads; nuq2/3: unpacked codes), 1 and several outliers, head_dim 64/128 (the 16-channel
+// microkernels) and 40 (the 8-lane path), GQA 1/4, decode and prefill, 1 and 2 threads,
+// pre-RoPE keys.
 TEST(OutlierAttention, InKernelOutliersEqualTheOracle) {
   const char* specs[] = {
       "k=int4/channel/g32/out2,v=int4/token/g32/out1%,residual=32",
@@ -135,7 +151,10 @@ TEST(OutlierAttention, InKernelOutliersEqualTheOracle) {
       "k=sint3/channel/g32/out1,v=int3/token/g32/out3,residual=16",
       "k=int2/channel/g32/out2,v=int2/token/g32/out2,residual=32,sinks=4",
       "k=e5m2/tensor/out2,v=int8/head/out1",
-      "k=int4/head/out4,v=f16"};
+      "k=int4/head/out4,v=f16",
+      "k=nuq4/channel/g32,v=nuq4/token/g32,residual=16",
+      "k=nuq3/channel/g32/out1%,v=nuq3/token/g32/out2,sinks=2",
+      "k=nuq2/channel/g32/out2,v=nuq4/head/out1%"};
   for (int64_t D : {64, 128, 40})
     for (const char* spec : specs) {
       const std::string sp(spec);
@@ -143,14 +162,7 @@ TEST(OutlierAttention, InKernelOutliersEqualTheOracle) {
       if (D == 40 && (sp.find("g32") != std::string::npos || sp.find("/token") != std::string::npos))
         continue;
       const int64_t H = 2, T = 150;
-      kvq::KVCache c(kvq::parse_policy(sp), 1, static_cast<int>(H), static_cast<int>(D));
-      const auto kd = kvq_test::kv_data({T, H, D}, 18, true);
-      const auto vd = kvq_test::kv_data({T, H, D}, 19, false);
-      c.append(0, KVView<const float>::nhd(kd.data(), 70, H, D),
-               KVView<const float>::nhd(vd.data(), 70, H, D));
-      for (int64_t t = 70; t < T; ++t)
-        c.append(0, KVView<const float>::nhd(kd.data() + t * H * D, 1, H, D),
-                 KVView<const float>::nhd(vd.data() + t * H * D, 1, H, D));
+      const kvq::KVCache c = filled_cache(sp, H, D, T, 70, 18, 19);
       for (int G : {1, 4})
         for (int threads : {1, 2}) {
           kvq::AttentionOptions opt;

@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <thread>
@@ -99,8 +100,9 @@ struct Stream {
   Scale scale = Scale::kRow;
   bool unpack = false;  ///< codes are unpacked per row into bytes (odd widths, scalar path)
   bool lm = false, qjl = false, zeros = false, raw = false;
+  bool nuq = false;  ///< nuq codes: table loads (lut = the layer's levels), int scales and zeros
   int bits = 32;
-  int64_t nout = 0;  ///< dense-and-sparse: outliers per (token, head) vector (int / fp8 dense)
+  int64_t nout = 0;  ///< dense-and-sparse: outliers per (token, head) vector (int / fp8 / nuq dense)
   float off = 0.f, mul = 1.f;
   const detail::LloydMaxContext* ctx = nullptr;
   float lut[16] = {};
@@ -149,22 +151,22 @@ struct Workspace {
   std::vector<float> um, ul, uacc;  // per work unit results
   std::vector<float> out_row;
   std::vector<Scratch> scratch;
-  // nuq pages (and outliers over nuq; no fused decoder): decoded rows, one [n, H, D] pair per
-  // such segment, and the dequantization scratch.
+  // pages the kernels do not read (needs_decode()): decoded rows, one [n, H, D] pair per such
+  // segment, and the dequantization scratch.
   std::vector<std::vector<float>> decoded;
   QuantWorkspace qws;
 };
 
-/// True when the fused kernels cannot read `v` straight from its codes: a nuq codebook, or
-/// dense-and-sparse outliers over a dense format other than int / fp8 (decoded to f32 rows
-/// first; docs/outliers.md). Outliers over int and fp8 are read in the kernels: the dense codes
-/// as usual, then each outlier's difference from its dense value (Unit::outlier_scores,
-/// Unit::outlier_values).
+/// True when the fused kernels cannot read `v` straight from its codes: dense-and-sparse
+/// outliers over a dense format other than int / fp8 / nuq (decoded to f32 rows first;
+/// docs/outliers.md; the spec grammar accepts no other today). nuq codes are read like int
+/// codes through a 16-entry table of the layer's levels (x = scale * level[c] + zero); outliers
+/// over int, fp8 and nuq are read in the kernels: the dense codes as usual, then each outlier's
+/// difference from its dense value (Unit::outlier_scores, Unit::outlier_values).
 inline bool needs_decode(const PackedView& v) {
   const Format f = v.config.format;
-  if (f == Format::kNuq) return true;
   return outlier_count(v.config, v.shape.head_dim) > 0 &&
-         !(f == Format::kInt || f == Format::kE4M3 || f == Format::kE5M2);
+         !(f == Format::kInt || f == Format::kE4M3 || f == Format::kE5M2 || f == Format::kNuq);
 }
 
 /// Replaces every packed segment that needs_decode() by f32 row segments holding its
@@ -368,7 +370,7 @@ inline void setup_packed(Stream& st, const PackedView& v, int W) {
   st.scale = Scale::kRow;
   st.mul = 1.f;
   st.off = 0.f;
-  st.lm = st.qjl = st.zeros = st.unpack = false;
+  st.lm = st.qjl = st.zeros = st.unpack = st.nuq = false;
   st.raw = c.is_raw();
   st.ctx = nullptr;
   st.nout = outlier_count(c, D);
@@ -387,8 +389,13 @@ inline void setup_packed(Stream& st, const PackedView& v, int W) {
       st.off = uniform_levels(c.bits, c.symmetric).off;
       st.zeros = !c.symmetric;
       break;
-    case Format::kNuq:  // never packed here: decode_unsupported() turned it into rows
-      fail(ErrorKind::kUnsupported, "attend: the fused decoder has no nuq path");
+    case Format::kNuq:  // x = scale * level[c] + zero: the int path with a table load
+      st.bits = c.bits;
+      st.nuq = true;
+      st.zeros = true;
+      for (int k = 0; k < 16; ++k)
+        st.lut[k] = k < (1 << c.bits) ? c.nuq_levels[static_cast<std::size_t>(k)] : 0.f;
+      break;
     case Format::kLloydMax: {
       st.bits = c.bits;
       st.lm = true;
@@ -400,8 +407,8 @@ inline void setup_packed(Stream& st, const PackedView& v, int W) {
       break;
     }
   }
-  if (c.format == Format::kInt || c.format == Format::kLloydMax) {
-    const bool lm = c.format == Format::kLloydMax;
+  if (c.format == Format::kInt || c.format == Format::kLloydMax || st.nuq) {
+    const bool lm = c.format == Format::kLloydMax || st.nuq;  // table loads
     const bool aligned = (D * st.bits) % 8 == 0;
     if (st.bits == 8) {
       st.load = lm ? Load::kLut8 : Load::kU8;
@@ -679,7 +686,8 @@ class Unit {
     return a.load == b.load && a.scale == b.scale && a.bits == b.bits && a.lm == b.lm &&
            a.zeros == b.zeros && a.raw == b.raw && a.off == b.off && a.mul == b.mul &&
            a.box.gt == b.box.gt && a.box.gh == b.box.gh && a.box.gc == b.box.gc &&
-           a.ctx == b.ctx && a.view.config.meta == b.view.config.meta && a.nout == b.nout;
+           a.ctx == b.ctx && a.view.config.meta == b.view.config.meta && a.nout == b.nout &&
+           a.nuq == b.nuq && (!a.nuq || std::memcmp(a.lut, b.lut, sizeof a.lut) == 0);
   }
 
   /// Collects the next tile of [a, b) from the cursor (si, t) into `out`: pieces of
@@ -1364,7 +1372,7 @@ class Unit {
     if (vs.nout > 0) outlier_values(vs, loc0, n, h, sc, row_acc(sc_.acc.data(), h, 0), false);
   }
 
-  // ---- dense-and-sparse streams (quant/outlier_quant.hpp) over int / fp8: the kernels read
+  // ---- dense-and-sparse streams (quant/outlier_quant.hpp) over int / fp8 / nuq: the kernels read
   // the dense codes as usual (every channel has one; an outlier's holds its clamped value), and
   // these add the sparse part: for each of the k outliers of a (token, head) vector, its fp16
   // value minus the dense value at its channel, times the query (scores) or the softmax weight
@@ -1372,7 +1380,8 @@ class Unit {
   // difference is what the oracle reads.
 
   /// Dense value of (segment-local token loc, head h, channel d): code * scale + zero, as the
-  /// kernels see it (zero with the folded offset, fp8 unscaled value times scale * 2^8 for e4m3).
+  /// kernels see it (zero with the folded offset, fp8 unscaled value times scale * 2^8 for e4m3,
+  /// nuq: the code's level).
   static float dense_at(const Stream& st, int64_t loc, int64_t h, int64_t d) {
     const PackedView& v = st.view;
     const int64_t H = v.shape.heads, D = v.shape.head_dim;
@@ -1381,11 +1390,12 @@ class Unit {
     if (st.load == Load::kE4M3 || st.load == Load::kE5M2) {
       const uint8_t b = v.codes[e];
       c = st.load == Load::kE4M3 ? SimdScalar::from_e4m3(&b) : SimdScalar::from_e5m2(&b);
-    } else {  // int codes, st.bits wide, LSB-first bitstream
+    } else {  // int / nuq codes, st.bits wide, LSB-first bitstream
       const std::size_t bit = e * static_cast<std::size_t>(st.bits);
       uint32_t w = v.codes[bit / 8];
       if (bit % 8 + static_cast<std::size_t>(st.bits) > 8) w |= static_cast<uint32_t>(v.codes[bit / 8 + 1]) << 8;
-      c = static_cast<float>((w >> (bit % 8)) & ((1u << st.bits) - 1u));
+      const uint32_t code = (w >> (bit % 8)) & ((1u << st.bits) - 1u);
+      c = st.nuq ? st.lut[code] : static_cast<float>(code);
     }
     const auto g = static_cast<std::size_t>(st.box.index(loc, h, d));
     const float sc = v.scale(g);
