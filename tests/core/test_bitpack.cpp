@@ -35,14 +35,17 @@ TEST_P(BitpackTest, RoundTripAllLengths) {
 TEST_P(BitpackTest, UnalignedOffsetsPreserveNeighbours) {
   const int bits = GetParam();
   std::mt19937 rng(100 + bits);
-  for (size_t off : {0, 1, 3, 7, 8, 13}) {
+  for (size_t off : {0, 1, 3, 7, 8, 13, 24, 48}) {
     const size_t n = 37;
     std::vector<uint8_t> codes(n), back(n);
     for (auto& c : codes) c = static_cast<uint8_t>(rng() & ((1u << bits) - 1));
-    std::vector<uint8_t> packed(kvq::packed_bytes(n, bits) + 4, 0xff);  // neighbours all ones
+    std::vector<uint8_t> packed(kvq::packed_bytes(n, bits) + off / 8 + 2, 0xff);  // neighbours all ones
     kvq::pack_bits(codes.data(), n, bits, packed.data(), off);
     kvq::unpack_bits(packed.data(), n, bits, back.data(), off);
     ASSERT_EQ(codes, back) << "bits=" << bits << " off=" << off;
+    std::vector<uint8_t> back2(n, 0xee);  // the SIMD / 3-bit paths from byte-aligned offsets
+    kvq::kernels::unpack_codes(packed.data(), n, bits, back2.data(), off);
+    ASSERT_EQ(codes, back2) << "unpack_codes bits=" << bits << " off=" << off;
     for (size_t b = 0; b < off; ++b) ASSERT_TRUE((packed[b / 8] >> (b % 8)) & 1) << b;
     const size_t end = off + n * bits;
     for (size_t b = end; b < packed.size() * 8; ++b)

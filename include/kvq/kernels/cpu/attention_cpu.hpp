@@ -119,6 +119,7 @@ struct Scratch {
   std::vector<float> sconst;    // [H, rows]
   std::vector<float> zacc;      // [rows] value zero terms of one tile
   std::vector<uint8_t> ku, vu;  // [kTile, D] unpacked codes
+  std::vector<uint8_t> kub, vub;  // [kTile, H, D] unpacked codes of a whole tile (odd widths)
   std::vector<uint8_t> ksg, vsg;  // [kTile, D] QJL sign bits
   std::vector<const uint8_t*> krp, vrp;  // [kTile] row pointers
   std::vector<float> kms, kmz, vms, vmz;  // tile metadata
@@ -623,6 +624,7 @@ class Unit {
           const std::size_t mt = std::max(static_cast<std::size_t>(H) * ngmax * kTile,
                                           static_cast<std::size_t>(std::max(H, kTile) * D));
           for (auto* v : {&sc_.kms, &sc_.kmz, &sc_.vms, &sc_.vmz}) v->resize(mt);
+          for (auto* v : {&sc_.kub, &sc_.vub}) v->resize(static_cast<std::size_t>(kTile * H * D));
           sc_.pieces.reserve(static_cast<std::size_t>(kTile));
           sc_.next.reserve(static_cast<std::size_t>(kTile));
           run_tiles(a, b);
@@ -663,8 +665,9 @@ class Unit {
   // of bytes in a page, so scoring reads the keys in address order, and the values of the tile
   // are prefetched while its keys are scored (per-head walks over rows H * D * bytes apart ran
   // at half the bandwidth of a sequential read on the Zen 3 host; see docs/benchmarks.md).
-  // Streams the microkernels do not read (odd bit widths, QJL, group widths that are not a
-  // multiple of 16) go through tile() one segment piece and one head at a time.
+  // Codes of odd bit widths (int3, nuq2/3, lm3, ...) are unpacked to bytes for the whole tile
+  // first, then read as 8-bit codes. Streams the microkernels do not read (QJL, group widths
+  // that are not a multiple of 16) go through tile() one segment piece and one head at a time.
   using Piece = Scratch::Piece;
 
   /// Tokens scored ahead of the current one whose key rows are prefetched.
@@ -673,7 +676,7 @@ class Unit {
   /// True when the AVX2 microkernels read this stream.
   static bool fast_stream(const Stream& st) {
     if (!st.packed) return st.rows.dim_contiguous();
-    if (st.unpack || st.qjl || st.load == Load::kLut8) return false;
+    if (st.qjl) return false;
     if (st.lm) return true;
     if (st.scale == Scale::kExpand) return false;
     return st.scale != Scale::kGroup || st.box.gc % 16 == 0;
@@ -777,14 +780,23 @@ class Unit {
   }
 
   /// Pointers to head 0's row of every tile token (rp[t]); returns the byte distance between
-  /// heads and sets `span` to the bytes of a token's rows over all heads.
+  /// heads and sets `span` to the bytes of a token's rows over all heads. Codes the loaders do
+  /// not read in place (st.unpack) are unpacked into ubuf ([kTile, H, D] bytes) first.
   int64_t row_ptrs(const std::vector<Stream>& streams, const std::vector<Piece>& pcs,
-                   const uint8_t** rp, int64_t& span) const {
+                   const uint8_t** rp, int64_t& span, uint8_t* ubuf) const {
     const int64_t H = P_.H, D = P_.D;
     int64_t hs = 0;
     for (const Piece& p : pcs) {
       const Stream& st = streams[p.si];
-      if (st.packed) {
+      if (st.packed && st.unpack) {
+        const auto row = static_cast<std::size_t>(H * D);
+        unpack_codes(st.view.codes, static_cast<std::size_t>(p.n) * row, st.bits,
+                     ubuf + static_cast<std::size_t>(p.o) * row,
+                     static_cast<std::size_t>(p.loc0) * row * static_cast<std::size_t>(st.bits));
+        for (int64_t t = 0; t < p.n; ++t) rp[p.o + t] = ubuf + (p.o + t) * H * D;
+        hs = D;
+        span = H * D;
+      } else if (st.packed) {
         hs = D * st.bits / 8;
         const uint8_t* base = st.view.codes + p.loc0 * H * hs;
         for (int64_t t = 0; t < p.n; ++t) rp[p.o + t] = base + t * H * hs;
@@ -1037,8 +1049,8 @@ class Unit {
     const Stream& vs0 = ws_.vs[pcs.front().si];
     const int64_t t0 = ws_.segs[pcs.front().si].begin + pcs.front().loc0;
     int64_t kspan = 0, vspan = 0;
-    const int64_t khs = row_ptrs(ws_.ks, pcs, sc_.krp.data(), kspan);
-    const int64_t vhs = row_ptrs(ws_.vs, pcs, sc_.vrp.data(), vspan);
+    const int64_t khs = row_ptrs(ws_.ks, pcs, sc_.krp.data(), kspan, sc_.kub.data());
+    const int64_t vhs = row_ptrs(ws_.vs, pcs, sc_.vrp.data(), vspan, sc_.vub.data());
     for (int64_t t = 0; t < std::min(n, kKeyAhead); ++t) prefetch_rows(sc_.krp[static_cast<std::size_t>(t)], kspan);
     // ---- keys: scores [H, R, n]
     with_load(ks0.packed ? ks0.load : Load::kF32,

@@ -664,9 +664,26 @@ inline void pack_codes(const uint8_t* codes, std::size_t n, int bits, uint8_t* o
   pack_bits(codes, n, bits, out, bit_offset);
 }
 
-/// unpack_bits with vectorized 2- and 4-bit paths for byte-aligned runs.
+/// unpack_bits with vectorized 2- and 4-bit paths for byte-aligned runs, and 3-bit runs 8 codes
+/// (3 bytes) at a time.
 inline void unpack_codes(const uint8_t* in, std::size_t n, int bits, uint8_t* codes,
                          std::size_t bit_offset) {
+  if (bits == 3 && bit_offset % 8 == 0) {
+    const uint8_t* p = in + bit_offset / 8;
+    std::size_t i = 0;
+    for (; i + 8 <= n; i += 8, p += 3) {
+      const uint32_t w = uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16;
+#if defined(__BMI2__) && KVQ_HAS_AVX2
+      // x86 (little-endian): byte j of the deposit is code j
+      const uint64_t c = _pdep_u64(w, 0x0707070707070707ull);
+      std::memcpy(codes + i, &c, 8);
+#else
+      for (int j = 0; j < 8; ++j) codes[i + j] = static_cast<uint8_t>((w >> (3 * j)) & 7u);
+#endif
+    }
+    if (i < n) unpack_bits(in, n - i, bits, codes + i, bit_offset + i * bits);
+    return;
+  }
 #if KVQ_HAS_AVX512
   if (bit_offset % 8 == 0 && (bits == 4 || bits == 2)) {
     const uint8_t* p = in + bit_offset / 8;
