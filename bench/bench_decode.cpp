@@ -30,7 +30,7 @@
 #include "kvq/attention/attention.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/policy/spec.hpp"
-#include "kvq/quant/calibrate.hpp"
+#include "kvq/policy/calibrate.hpp"
 
 namespace {
 

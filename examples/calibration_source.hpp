@@ -23,7 +23,7 @@
 
 #include "kvq/eval/kv_backend.hpp"
 #include "kvq/io/kv_dump.hpp"
-#include "kvq/quant/calibrate.hpp"
+#include "kvq/io/calibration_file.hpp"
 
 namespace kvq_tools {
 

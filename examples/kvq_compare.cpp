@@ -43,7 +43,7 @@
 #include "calibration_source.hpp"
 #include "eval_model.hpp"
 #include "kvq/accounting/accountant.hpp"
-#include "kvq/cache/cache_backend.hpp"
+#include "kvq/eval/cache_backend.hpp"
 #include "kvq/core/rope.hpp"
 #include "kvq/core/rows.hpp"
 #include "kvq/eval/llama2c.hpp"
@@ -51,7 +51,7 @@
 #include "kvq/eval/synthetic.hpp"
 #include "kvq/io/kv_dump.hpp"
 #include "kvq/policy/spec.hpp"
-#include "kvq/quant/calibrate.hpp"
+#include "kvq/io/calibration_file.hpp"
 #include "kvq/quant/quantize.hpp"
 #include "report.hpp"
 

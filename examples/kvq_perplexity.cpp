@@ -8,7 +8,7 @@
 // it carries its tokenizer), or `smollm2`: the GGUF fetched by `./kvq.sh model smollm2`.
 //
 // The cache is kvq's streaming KVCache (keys and values packed in shared blocks), or with
-// --simulate the SimulatedBackend (cache/simulated_backend.hpp: every key and value scale group
+// --simulate the SimulatedBackend (eval/simulated_backend.hpp: every key and value scale group
 // quantized as soon as it is complete, the rule of the reference axis table).
 //
 // Each non-empty line of F is one sequence; every next-token prediction is counted. llama2.c:
@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "kvq/cache/cache_backend.hpp"
-#include "kvq/cache/simulated_backend.hpp"
+#include "kvq/eval/cache_backend.hpp"
+#include "kvq/eval/simulated_backend.hpp"
 #include "calibration_source.hpp"
 #include "eval_model.hpp"
 #include "kvq/eval/llama2c.hpp"

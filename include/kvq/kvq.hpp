@@ -28,7 +28,8 @@
 #include "kvq/layout/page_layout.hpp"
 #include "kvq/cache/page_arena.hpp"
 #include "kvq/io/kv_dump.hpp"
-#include "kvq/quant/calibrate.hpp"  // nuq codebooks (needs policy/ and io/)
+#include "kvq/policy/calibrate.hpp"     // nuq codebooks learned (kvq::calibrate)
+#include "kvq/io/calibration_file.hpp"  // calibration from KV dumps, calibration files
 #include "kvq/io/npy.hpp"
 #include "kvq/io/safetensors.hpp"
 #include "kvq/io/archive.hpp"

@@ -1,4 +1,4 @@
-// Tests for attention/attention.hpp and cache/cache_backend.hpp: attention over the quantized
+// Tests for attention/attention.hpp and eval/cache_backend.hpp: attention over the quantized
 // cache equals fp32 attention over the dequantized tensors for every policy, with GQA and MQA;
 // the KVBackend adapter drives the real model.
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "kvq/attention/attention.hpp"
-#include "kvq/cache/cache_backend.hpp"
+#include "kvq/eval/cache_backend.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/eval/kv_backend.hpp"
 #include "kvq/eval/llama2c.hpp"

@@ -12,7 +12,7 @@
 #include "kvq/attention/attention.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/layout/page_layout.hpp"
-#include "kvq/quant/calibrate.hpp"
+#include "kvq/policy/calibrate.hpp"
 #include "kvq/quant/quantize.hpp"
 #include "kvq/reference/attention_ref.hpp"
 #include "test_util.hpp"

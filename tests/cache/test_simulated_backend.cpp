@@ -1,4 +1,4 @@
-// Tests for kvq/cache/simulated_backend.hpp: every key/value scale group quantized as soon as it
+// Tests for kvq/eval/simulated_backend.hpp: every key/value scale group quantized as soon as it
 // is complete, checked against quantize/dequantize of the same tokens, and against the
 // reference axis table of stories260K (shared/docs/reference.md).
 #include <gtest/gtest.h>
@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "kvq/cache/simulated_backend.hpp"
+#include "kvq/eval/simulated_backend.hpp"
 #include "kvq/eval/llama2c.hpp"
 #include "kvq/policy/spec.hpp"
 #include "kvq/quant/quantize.hpp"

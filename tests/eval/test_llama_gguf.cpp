@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "io/gguf_test_util.hpp"
-#include "kvq/cache/cache_backend.hpp"
+#include "kvq/eval/cache_backend.hpp"
 #include "kvq/policy/spec.hpp"
 #include "smollm2_data.hpp"
 

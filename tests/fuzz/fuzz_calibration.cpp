@@ -9,7 +9,7 @@
 #include <string_view>
 
 #include "fuzz_util.hpp"
-#include "kvq/quant/calibrate.hpp"
+#include "kvq/io/calibration_file.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);

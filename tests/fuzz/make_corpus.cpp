@@ -19,7 +19,7 @@
 #include "kvq/io/npy.hpp"
 #include "kvq/io/safetensors.hpp"
 #include "kvq/policy/spec.hpp"
-#include "kvq/quant/calibrate.hpp"
+#include "kvq/io/calibration_file.hpp"
 #include "kvq/quant/quantize.hpp"
 
 namespace fs = std::filesystem;

@@ -26,7 +26,7 @@
 #include "kvq/io/archive.hpp"
 #include "kvq/io/crc32c.hpp"
 #include "kvq/policy/spec.hpp"
-#include "kvq/quant/calibrate.hpp"
+#include "kvq/io/calibration_file.hpp"
 #include "test_util.hpp"
 
 namespace {

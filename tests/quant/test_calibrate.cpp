@@ -1,6 +1,6 @@
 // Tests of quant/calibrate.hpp (kvq::calibrate, calibration files) and of the spec grammar's
 // nuq<b> and out<N> / out<P>% terms (policy/spec.hpp).
-#include "kvq/quant/calibrate.hpp"
+#include "kvq/io/calibration_file.hpp"
 
 #include <gtest/gtest.h>
 

@@ -24,7 +24,7 @@
 /// vector) and always rotates; metadata fp16; residual, sinks and skip 0; skipped layers f32.
 /// nuq<b> (KVQuant non-uniform codebook, format/nuq.hpp) takes the int options (default axis
 /// token, group 32) and needs a calibrated codebook before it can quantize (kvq::calibrate /
-/// a calibration file: quant/calibrate.hpp); the spec names the format, not the codebook.
+/// a calibration file: policy/calibrate.hpp, io/calibration_file.hpp); the spec names the format, not the codebook.
 /// out<N> / out<P>% (int, fp8, nuq) keep N, or ceil(P% x head_dim), outliers per vector exactly
 /// (quant/outlier_quant.hpp, docs/outliers.md).
 #include <cmath>

@@ -33,7 +33,7 @@ inline void require_nuq_codebook(const QuantConfig& c) {
   KVQ_REQUIRE(c.format == Format::kNuq, kInvalidArgument, "nuq quantizer needs a nuq config");
   check_nuq_bits(c.bits);
   KVQ_REQUIRE(c.nuq_ready, kInvalidArgument, c.name(),
-              " needs a calibrated codebook: run kvq::calibrate (quant/calibrate.hpp) or load "
+              " needs a calibrated codebook: run kvq::calibrate (policy/calibrate.hpp) or load "
               "a calibration file (tools: --calibrate PATH)");
   check_nuq_levels(c.nuq_levels.data(), c.bits, "nuq codebook of the config");
 }
