@@ -57,8 +57,9 @@ const std::vector<float>& input(bool key) {
   return key ? k : v;
 }
 
-/// The policy of a bench name: a preset, or an extra (nuq codebooks calibrated once on 4096
-/// tokens of synthetic data made with other seeds than the cached tokens).
+/// The policy of a bench name: a preset, or an extra (nuq codebooks calibrated once on 256
+/// tokens of synthetic data made with other seeds than the cached tokens; at registration, so
+/// it is kept small: 256 tokens, 262144 values per codebook).
 const kvq::Policy& policy_of(const std::string& name) {
   static std::map<std::string, kvq::Policy> policies;
   auto it = policies.find(name);
@@ -68,7 +69,7 @@ const kvq::Policy& policy_of(const std::string& name) {
     if (name == e.first) spec = e.second;
   kvq::Policy pol = kvq::parse_policy(spec);
   if (spec.find("nuq") != std::string::npos) {
-    constexpr int64_t kCalTokens = 4096;
+    constexpr int64_t kCalTokens = 256;
     kvq::CalibrationSet cs;
     cs.n_layers = 1;
     cs.kv_heads = kKvHeads;

@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <functional>
 #include <limits>
 #include <thread>
@@ -1391,52 +1392,67 @@ class Unit {
   // (values). Dequantization writes the exact values over the dense ones, so dense + this
   // difference is what the oracle reads.
 
-  /// Dense value of (segment-local token loc, head h, channel d): code * scale + zero, as the
-  /// kernels see it (zero with the folded offset, fp8 unscaled value times scale * 2^8 for e4m3,
-  /// nuq: the code's level).
-  static float dense_at(const Stream& st, int64_t loc, int64_t h, int64_t d) {
-    const PackedView& v = st.view;
-    const int64_t H = v.shape.heads, D = v.shape.head_dim;
-    const auto e = static_cast<std::size_t>((loc * H + h) * D + d);
-    float c;
-    if (st.load == Load::kE4M3 || st.load == Load::kE5M2) {
-      const uint8_t b = v.codes[e];
-      c = st.load == Load::kE4M3 ? SimdScalar::from_e4m3(&b) : SimdScalar::from_e5m2(&b);
-    } else {  // int / nuq codes, st.bits wide, LSB-first bitstream
-      const std::size_t bit = e * static_cast<std::size_t>(st.bits);
-      uint32_t w = v.codes[bit / 8];
-      if (bit % 8 + static_cast<std::size_t>(st.bits) > 8) w |= static_cast<uint32_t>(v.codes[bit / 8 + 1]) << 8;
-      const uint32_t code = (w >> (bit % 8)) & ((1u << st.bits) - 1u);
-      c = st.nuq ? st.lut[code] : static_cast<float>(code);
-    }
-    const auto g = static_cast<std::size_t>(st.box.index(loc, h, d));
-    const float sc = v.scale(g);
-    return std::fma(c, sc * st.mul, (st.zeros ? v.zero(g) : 0.f) - st.off * sc);
+  /// f(channel, exact value - dense value) for the k outliers of vector (segment-local token
+  /// loc, head h). The dense value is code * scale + zero as the kernels see it (zero with the
+  /// folded offset, fp8 unscaled value times scale * 2^8 for e4m3, nuq: the code's level);
+  /// the vector's group-box and element offsets are computed once, not per outlier.
+  /// Channel and exact (fp16) value of outlier i of a view (vector-major, k per vector).
+  static std::pair<int64_t, float> outlier_at(const PackedView& v, std::size_t i) {
+    uint16_t hb;
+    std::memcpy(&hb, v.outlier_values + 2 * i, 2);
+    const int64_t pos = v.shape.head_dim > 256 ? (v.outlier_pos[2 * i] | (v.outlier_pos[2 * i + 1] << 8))
+                                               : v.outlier_pos[i];
+    return {pos, half_bits_to_float(hb)};
   }
 
-  /// f(channel, value) for the outliers of vector (loc, h).
+  /// f(channel, exact value) for the outliers of vector (loc, h).
   template <class F>
   static void for_outliers(const Stream& st, int64_t loc, int64_t h, F&& f) {
+    const auto base = static_cast<std::size_t>((loc * st.view.shape.heads + h) * st.nout);
+    for (int64_t j = 0; j < st.nout; ++j) {
+      const auto o = outlier_at(st.view, base + static_cast<std::size_t>(j));
+      f(o.first, o.second);
+    }
+  }
+
+  template <class F>
+  static void for_outlier_deltas(const Stream& st, int64_t loc, int64_t h, F&& f) {
     const PackedView& v = st.view;
-    const int64_t k = st.nout;
-    const auto base = static_cast<std::size_t>((loc * v.shape.heads + h) * k);
-    const bool wide = v.shape.head_dim > 256;
+    const int64_t H = v.shape.heads, D = v.shape.head_dim, k = st.nout;
+    const GroupBox& b = st.box;
+    const int64_t gbase = ((loc / b.gt) * b.nh + h / b.gh) * b.nc;
+    const bool gc1 = b.gc == D;  // one group over the vector's channels
+    const auto ebase = static_cast<std::size_t>((loc * H + h) * D);
+    const auto obase = static_cast<std::size_t>((loc * H + h) * k);
+    const bool fp8 = st.load == Load::kE4M3 || st.load == Load::kE5M2;
+    const auto bits = static_cast<std::size_t>(st.bits);
+    const uint32_t mask = (1u << st.bits) - 1u;
     for (int64_t j = 0; j < k; ++j) {
-      const std::size_t i = base + static_cast<std::size_t>(j);
-      uint16_t hb;
-      std::memcpy(&hb, v.outlier_values + 2 * i, 2);
-      const int64_t pos = wide ? (v.outlier_pos[2 * i] | (v.outlier_pos[2 * i + 1] << 8)) : v.outlier_pos[i];
-      f(pos, half_bits_to_float(hb));
+      const auto [pos, val] = outlier_at(v, obase + static_cast<std::size_t>(j));
+      const std::size_t e = ebase + static_cast<std::size_t>(pos);
+      float c;
+      if (fp8) {
+        c = st.load == Load::kE4M3 ? SimdScalar::from_e4m3(v.codes + e) : SimdScalar::from_e5m2(v.codes + e);
+      } else {  // int / nuq codes, st.bits wide, LSB-first bitstream
+        const std::size_t bit = e * bits;
+        uint32_t w = v.codes[bit / 8];
+        if (bit % 8 + bits > 8) w |= static_cast<uint32_t>(v.codes[bit / 8 + 1]) << 8;
+        const uint32_t code = (w >> (bit % 8)) & mask;
+        c = st.nuq ? st.lut[code] : static_cast<float>(code);
+      }
+      const auto g = static_cast<std::size_t>(gc1 ? gbase : gbase + pos / b.gc);
+      const float sc = v.scale(g);
+      f(pos, val - std::fma(c, sc * st.mul, (st.zeros ? v.zero(g) : 0.f) - st.off * sc));
     }
   }
 
   /// Scores of tokens [loc0, loc0 + n) (sc[r * kTile + t], R rows of q, stride D) += q . sparse.
   void outlier_scores(const Stream& st, int64_t loc0, int64_t n, int64_t h, const float* q,
                       float* sc) const {
+    const int64_t R = R_, D = P_.D;
     for (int64_t t = 0; t < n; ++t)
-      for_outliers(st, loc0 + t, h, [&](int64_t pos, float val) {
-        const float dv = val - dense_at(st, loc0 + t, h, pos);
-        for (int64_t r = 0; r < R_; ++r) sc[r * kTile + t] += q[r * P_.D + pos] * dv;
+      for_outlier_deltas(st, loc0 + t, h, [&](int64_t pos, float dv) {
+        for (int64_t r = 0; r < R; ++r) sc[r * kTile + t] += q[r * D + pos] * dv;
       });
   }
 
@@ -1444,11 +1460,11 @@ class Unit {
   /// sparse difference, tokens [loc0, loc0 + n).
   void outlier_values(const Stream& st, int64_t loc0, int64_t n, int64_t h, const float* p,
                       float* acc, bool eo) const {
+    const int64_t R = R_, D = P_.D;
     for (int64_t t = 0; t < n; ++t)
-      for_outliers(st, loc0 + t, h, [&](int64_t pos, float val) {
-        const float dv = val - dense_at(st, loc0 + t, h, pos);
+      for_outlier_deltas(st, loc0 + t, h, [&](int64_t pos, float dv) {
         const int64_t i = eo ? (pos & ~int64_t{15}) + (pos & 1) * 8 + ((pos & 15) >> 1) : pos;
-        for (int64_t r = 0; r < R_; ++r) acc[r * P_.D + i] += p[r * kTile + t] * dv;
+        for (int64_t r = 0; r < R; ++r) acc[r * D + i] += p[r * kTile + t] * dv;
       });
   }
 
