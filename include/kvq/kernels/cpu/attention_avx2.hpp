@@ -88,6 +88,19 @@ inline void from_eo(const float* x, float* out, int64_t D) {
 /// Channels [16 jp, 16 jp + 16) of one stored row as two vectors (unscaled, as Simd256's
 /// loaders give them: raw values, integer codes, fp8 values times 2^-8 for e4m3, centroids),
 /// in natural order, or in even/odd order when eo_order(L).
+/// 16 fp8 bytes (e4m3 or e5m2) as 16 fp16 lanes (unscaled: e4m3 values come out times 2^-8):
+/// e5m2 is the high byte of an fp16; e4m3 (sign, 4 exponent bits, 3 mantissa bits) is
+/// (b & 0x80) << 8 | (b & 0x7f) << 7, i.e. b << 8 shifted right arithmetically by one with the
+/// copied sign bit (bit 14) cleared.
+template <Load L>
+KVQ_AVX2_INLINE __m256i fp8_halves(const uint8_t* p) {
+  const __m256i w =
+      _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
+  if constexpr (L == Load::kE4M3)
+    return _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  return w;
+}
+
 #if KVQ_HAS_AVX512
 template <Load L>
 KVQ_AVX2_INLINE V2 ld2(const uint8_t* row, int64_t jp, const float* lut) {
@@ -128,13 +141,7 @@ KVQ_AVX2_INLINE V2 ld2(const uint8_t* row, int64_t jp, const float* lut) {
                                                                  14, 12, 10, 8, 6, 4, 2, 0)),
         _mm512_set1_epi32(3)));
   } else if constexpr (L == Load::kE4M3 || L == Load::kE5M2) {
-    // as in the AVX2 loader below: 16 bytes -> 16 fp16 lanes -> 16 floats
-    const __m256i w = _mm256_slli_epi16(
-        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * jp))), 8);
-    __m256i h = w;
-    if constexpr (L == Load::kE4M3)
-      h = _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
-    x = _mm512_cvtph_ps(h);
+    x = _mm512_cvtph_ps(fp8_halves<L>(row + 16 * jp));
   }
   return V2{x};
 }
@@ -199,14 +206,7 @@ inline V2 ld2(const uint8_t* row, int64_t jp, const float* lut) {
     b = _mm256_cvtepi32_ps(_mm256_and_si256(
         _mm256_srlv_epi32(x, _mm256_set_epi32(30, 28, 26, 24, 22, 20, 18, 16)), m));
   } else if constexpr (L == Load::kE4M3 || L == Load::kE5M2) {
-    // 16 bytes -> 16 fp16 lanes: e5m2 is the high byte of an fp16; e4m3 (sign, 4 exponent
-    // bits, 3 mantissa bits) is (b & 0x80) << 8 | (b & 0x7f) << 7, i.e. b << 8 shifted right
-    // arithmetically by one with the copied sign bit (bit 14) cleared.
-    const __m256i w = _mm256_slli_epi16(
-        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * jp))), 8);
-    __m256i h = w;
-    if constexpr (L == Load::kE4M3)
-      h = _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+    const __m256i h = fp8_halves<L>(row + 16 * jp);
     a = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     b = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   }
