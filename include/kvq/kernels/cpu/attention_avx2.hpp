@@ -1,8 +1,9 @@
 #pragma once
 /// \file attention_avx2.hpp
-/// AVX2+FMA+F16C microkernels of the fused attention decode (kernels/cpu/attention_cpu.hpp uses
-/// them for its 8-lane path when head_dim is a multiple of 16; the AVX-512 and scalar paths keep
-/// the generic templates of that file).
+/// Microkernels of the fused attention's all-heads tile loop (kernels/cpu/attention_cpu.hpp,
+/// Unit::run_tiles, head_dim a multiple of 16, keys not pre-RoPE): AVX2+FMA+F16C, and on
+/// AVX-512 builds the same kernels over one 16-lane vector per 16 channels (V2, kWide). The
+/// per-head and scalar paths keep the generic templates of that file.
 ///
 /// Why they are shaped this way (measured on a 2-core AMD EPYC (Zen 3) VM, where one core runs
 /// two 256-bit FMAs per cycle at 4 cycles latency and AVX2 has 16 vector registers):

@@ -28,10 +28,13 @@
 ///    bit-identical for any number of threads.
 /// Three instruction sets share this code (kernels/cpu/attention_simd.hpp): AVX-512 when
 /// head_dim is a multiple of 16, AVX2 when a multiple of 8, else (and under KVQ_NO_SIMD) scalar.
-/// The AVX2 path, when head_dim is a multiple of 16 and keys are not pre-RoPE, runs its own tile
-/// loop (Unit::run_tiles): tiles gathered over several pages, all kv heads per tile, keys read
-/// token-major, values prefetched while keys are scored, and the 16-channel register-blocked
-/// microkernels of kernels/cpu/attention_avx2.hpp (value group scales folded into the weights).
+/// When head_dim is a multiple of 16 and keys are not pre-RoPE, AVX2 and AVX-512 builds alike
+/// run the Simd256 instance's own tile loop (Unit::run_tiles): tiles gathered over several
+/// pages, all kv heads per tile, keys read token-major, odd-width codes unpacked once per tile,
+/// rows prefetched ahead into L2, and the 16-channel register-blocked microkernels of
+/// kernels/cpu/attention_avx2.hpp (two 8-lane vectors per 16 channels on AVX2, one 16-lane
+/// vector on AVX-512; value group scales folded into the weights). Pre-RoPE keys on AVX-512
+/// take the per-head Simd512 path.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
