@@ -39,11 +39,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <utility>
 #include <functional>
 #include <limits>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "kvq/core/bitpack.hpp"
@@ -102,7 +102,7 @@ struct Stream {
   GroupBox box;
   Load load = Load::kF32;
   Scale scale = Scale::kRow;
-  bool unpack = false;  ///< codes are unpacked per row into bytes (odd widths, scalar path)
+  bool unpack = false;  ///< codes are unpacked into bytes first (odd widths: per tile or per row)
   bool lm = false, qjl = false, zeros = false, raw = false;
   bool nuq = false;  ///< nuq codes: table loads (lut = the layer's levels), int scales and zeros
   int bits = 32;
@@ -1395,10 +1395,6 @@ class Unit {
   // (values). Dequantization writes the exact values over the dense ones, so dense + this
   // difference is what the oracle reads.
 
-  /// f(channel, exact value - dense value) for the k outliers of vector (segment-local token
-  /// loc, head h). The dense value is code * scale + zero as the kernels see it (zero with the
-  /// folded offset, fp8 unscaled value times scale * 2^8 for e4m3, nuq: the code's level);
-  /// the vector's group-box and element offsets are computed once, not per outlier.
   /// Channel and exact (fp16) value of outlier i of a view (vector-major, k per vector).
   static std::pair<int64_t, float> outlier_at(const PackedView& v, std::size_t i) {
     uint16_t hb;
@@ -1418,6 +1414,10 @@ class Unit {
     }
   }
 
+  /// f(channel, exact value - dense value) for the k outliers of vector (segment-local token
+  /// loc, head h). The dense value is code * scale + zero as the kernels see it (zero with the
+  /// folded offset, fp8 unscaled value times scale * 2^8 for e4m3, nuq: the code's level);
+  /// the vector's group-box and element offsets are computed once, not per outlier.
   template <class F>
   static void for_outlier_deltas(const Stream& st, int64_t loc, int64_t h, F&& f) {
     const PackedView& v = st.view;
