@@ -11,12 +11,19 @@
 //                                 decode size.
 //   BM_Prefill/<policy>/<chunk>   attend of <chunk> causal queries at the newest positions of
 //                                 a 2048-token cache; items/s = queries per second.
+//   BM_FmaPeak                    the compute ceiling: fp32 FMAs per second (items/s) of one
+//                                 thread at the build's widest SIMD (16 lanes with AVX-512, 8
+//                                 with AVX2, std::fma scalar otherwise), 12 independent chains.
+//                                 BM_Decode's counter fma_per_token (2 x query heads x head_dim:
+//                                 a query-key dot product and a weighted value row per query
+//                                 head) turns its tokens/s into a fraction of that ceiling.
 // Besides the presets, BM_Decode/<name>/32768 for KVQuant-style caches (kExtraPolicies): nuq
 // codebooks (calibrated once on other synthetic data) and 1% dense-and-sparse outliers, both
 // read in the fused kernels.
 // kvq_bench_report turns these into fractions of the stream bandwidth and speedups over f16.
 #include <benchmark/benchmark.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
@@ -127,6 +134,54 @@ void BM_Decode(benchmark::State& state, std::string policy, int64_t tokens) {
   state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * tokens);
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * kv_bytes);
   state.counters["kv_bytes"] = static_cast<double>(kv_bytes);
+  state.counters["fma_per_token"] = 2.0 * kQueryHeads * kDim;
+}
+
+/// fp32 FMA throughput of one thread: kChains independent accumulators (more than latency x
+/// FMA ports on the hosts seen), each x = x * a + b, which stays near 1 (no denormals, no inf).
+void BM_FmaPeak(benchmark::State& state) {
+  constexpr int kChains = 12, kSteps = 1024;
+#if KVQ_HAS_AVX512
+  constexpr int kLanes = 16;
+  __m512 acc[kChains];
+  for (auto& v : acc) v = _mm512_set1_ps(1.f);
+  const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(0.001f);
+  auto step = [&] {
+    for (auto& v : acc) v = _mm512_fmadd_ps(v, a, b);
+  };
+  auto sink = [&] {
+    for (auto& v : acc) benchmark::DoNotOptimize(v);
+  };
+#elif KVQ_HAS_AVX2
+  constexpr int kLanes = 8;
+  __m256 acc[kChains];
+  for (auto& v : acc) v = _mm256_set1_ps(1.f);
+  const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(0.001f);
+  auto step = [&] {
+    for (auto& v : acc) v = _mm256_fmadd_ps(v, a, b);
+  };
+  auto sink = [&] {
+    for (auto& v : acc) benchmark::DoNotOptimize(v);
+  };
+#else
+  constexpr int kLanes = 1;
+  float acc[kChains];
+  for (auto& v : acc) v = 1.f;
+  float a = 0.999f, b = 0.001f;
+  benchmark::DoNotOptimize(a);
+  benchmark::DoNotOptimize(b);
+  auto step = [&] {
+    for (auto& v : acc) v = std::fma(v, a, b);
+  };
+  auto sink = [&] {
+    for (auto& v : acc) benchmark::DoNotOptimize(v);
+  };
+#endif
+  for (auto _ : state) {
+    for (int i = 0; i < kSteps; ++i) step();
+    sink();
+  }
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * kSteps * kChains * kLanes);
 }
 
 void BM_StreamRead(benchmark::State& state, int64_t bytes) {
@@ -237,6 +292,7 @@ int register_all() {
         [p = std::string(e.first), n](benchmark::State& s) { BM_Decode(s, p, n); })
         ->Unit(benchmark::kMillisecond);
   }
+  benchmark::RegisterBenchmark("BM_FmaPeak", BM_FmaPeak);
   for (int64_t b : sizes)
     benchmark::RegisterBenchmark(("BM_StreamRead/" + std::to_string(b)).c_str(),
                                  [b](benchmark::State& s) { BM_StreamRead(s, b); })

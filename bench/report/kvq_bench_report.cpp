@@ -77,16 +77,21 @@ const DecodeTarget kDecodeTargets[] = {
 constexpr const char* kTargetTokens = "32768";
 
 /// BM_Decode/<policy>/<tokens>: tokens/s, KV bytes/s, fraction of the same run's
-/// BM_StreamRead/<kv_bytes> and speedup over BM_Decode/f16/<tokens>. Returns targets missed.
+/// BM_StreamRead/<kv_bytes>, speedup over BM_Decode/f16/<tokens> and, when the run has
+/// BM_FmaPeak, the fraction of that compute ceiling (tokens/s x fma_per_token / FMAs/s). Under
+/// the table, what each target would need of the ceiling. Returns targets missed.
 int decode_table(std::map<std::string, std::vector<double>>& bps,
                  std::map<std::string, std::vector<double>>& ips,
-                 std::map<std::string, std::vector<double>>& kvb) {
+                 std::map<std::string, std::vector<double>>& kvb,
+                 std::map<std::string, std::vector<double>>& fpt) {
   std::vector<std::string> names;
   for (const auto& kv : ips)
     if (kv.first.rfind("BM_Decode/", 0) == 0) names.push_back(kv.first);
   if (names.empty()) return 0;
+  const double peak = ips.count("BM_FmaPeak") ? median(ips["BM_FmaPeak"]) : 0;
   std::printf("| decode | tokens/s | KV read | fraction of BM_StreamRead (same bytes) | speedup "
-              "vs f16 | target |\n|---|---|---|---|---|---|\n");
+              "vs f16 | fraction of BM_FmaPeak | target |\n|---|---|---|---|---|---|---|\n");
+  std::vector<std::string> needs;  // per target: the fraction of the FMA ceiling it implies
   int missed = 0, no_stream = 0;
   for (const std::string& n : names) {
     const std::string rest = n.substr(10);
@@ -107,6 +112,20 @@ int decode_table(std::map<std::string, std::vector<double>>& bps,
     }
     const std::string f16 = "BM_Decode/f16/" + tokens;
     if (ips.count(f16)) speed = tps / median(ips[f16]);
+    // FMAs per second at a given tokens/s, as a fraction of the ceiling (-1: unknown).
+    const double per_token = fpt.count(n) ? median(fpt[n]) : 0;
+    auto of_peak = [&](double tokens_per_s) {
+      return peak > 0 && per_token > 0 ? tokens_per_s * per_token / peak : -1.0;
+    };
+    auto need = [&](const char* what, double tokens_per_s) {
+      const double f = of_peak(tokens_per_s);
+      if (f < 0) return;
+      char buf[200];
+      std::snprintf(buf, sizeof buf, "%s %s needs %.0f tokens/s = %.2f of BM_FmaPeak%s",
+                    policy.c_str(), what, tokens_per_s, f,
+                    f > 1 ? " (above the ceiling)" : "");
+      needs.push_back(buf);
+    };
     std::string target;
     if (tokens == kTargetTokens) {
       for (const DecodeTarget& t : kDecodeTargets) {
@@ -117,6 +136,10 @@ int decode_table(std::map<std::string, std::vector<double>>& bps,
           std::snprintf(buf, sizeof buf, "fraction >= %.2f %s", t.min_fraction, ok ? "met" : "MISSED");
           target += buf;
           missed += ok ? 0 : 1;
+          if (frac > 0) {
+            std::snprintf(buf, sizeof buf, "fraction >= %.2f", t.min_fraction);
+            need(buf, tps * t.min_fraction / frac);
+          }
         }
         if (t.min_speedup > 0) {
           const bool ok = speed >= t.min_speedup;
@@ -124,16 +147,29 @@ int decode_table(std::map<std::string, std::vector<double>>& bps,
                         t.min_speedup, ok ? "met" : "MISSED");
           target += buf;
           missed += ok ? 0 : 1;
+          if (speed > 0) {
+            std::snprintf(buf, sizeof buf, "speedup >= %.1fx", t.min_speedup);
+            need(buf, tps * t.min_speedup / speed);
+          }
         }
       }
     }
-    char fb[32] = "?", sb[32] = "?";
+    char fb[32] = "?", sb[32] = "?", pb[32] = "?";
     if (frac >= 0) std::snprintf(fb, sizeof fb, "%.2f", frac);
     if (speed >= 0) std::snprintf(sb, sizeof sb, "%.2fx", speed);
-    std::printf("| %s | %.0f | %.2f GB/s | %s | %s | %s |\n", n.c_str(), tps, bw / 1e9, fb, sb,
-                target.c_str());
+    if (of_peak(tps) >= 0) std::snprintf(pb, sizeof pb, "%.2f", of_peak(tps));
+    std::printf("| %s | %.0f | %.2f GB/s | %s | %s | %s | %s |\n", n.c_str(), tps, bw / 1e9, fb, sb,
+                pb, target.c_str());
   }
   std::printf("\n");
+  if (peak > 0) {
+    std::printf("BM_FmaPeak (one thread, fp32 FMAs at the build's SIMD width): %.3g FMA/s. Every "
+                "decode does fma_per_token FMAs per cached token at any storage format, so a "
+                "target needing more than 1.0 of it cannot be met by fp32 arithmetic:\n",
+                peak);
+    for (const std::string& l : needs) std::printf("  %s\n", l.c_str());
+    std::printf("\n");
+  }
   if (no_stream > 0)
     std::printf("%d decode benchmark(s) have no BM_StreamRead of their byte count in this run "
                 "(fraction \"?\"); run the stream reads too, e.g.\n  kvq_bench "
@@ -175,7 +211,7 @@ int main(int argc, char** argv) {
     const kvq::io::Json* list = doc.find("benchmarks");
     if (!list || !list->is_array()) throw std::runtime_error("no \"benchmarks\" array in the file");
     // name -> per-repetition bytes/s (or items/s) and ns per item
-    std::map<std::string, std::vector<double>> bps, ips, kvb;
+    std::map<std::string, std::vector<double>> bps, ips, kvb, fpt;
     std::vector<std::string> order;
     for (const kvq::io::Json& b : list->items()) {
       const kvq::io::Json* rt = b.find("run_type");
@@ -191,15 +227,18 @@ int main(int argc, char** argv) {
         ips[n].push_back(number(*v));
       if (const kvq::io::Json* v = b.find("kv_bytes"); v && v->is_number())
         kvb[n].push_back(number(*v));
+      if (const kvq::io::Json* v = b.find("fma_per_token"); v && v->is_number())
+        fpt[n].push_back(number(*v));
     }
     print_context(doc);
-    int missed = decode_table(bps, ips, kvb);
+    int missed = decode_table(bps, ips, kvb, fpt);
     if (!bps.count("BM_Memcpy")) {
       // a decode-only run (BM_Decode + BM_StreamRead) has its table above; the other targets
       // are ratios to BM_Memcpy
       bool other = false;
       for (const std::string& n : order)
-        other = other || (n.rfind("BM_Decode/", 0) != 0 && n.rfind("BM_StreamRead/", 0) != 0);
+        other = other || (n.rfind("BM_Decode/", 0) != 0 && n.rfind("BM_StreamRead/", 0) != 0 &&
+                          n != "BM_FmaPeak");
       if (other || order.empty())
         throw std::runtime_error("the run has no BM_Memcpy (the ratios below are to it)");
       std::printf("(no BM_Memcpy in this run: only the decode table)\n\n%d target(s) missed\n",
