@@ -1401,7 +1401,7 @@ class Unit {
     std::memcpy(&hb, v.outlier_values + 2 * i, 2);
     const int64_t pos = v.shape.head_dim > 256 ? (v.outlier_pos[2 * i] | (v.outlier_pos[2 * i + 1] << 8))
                                                : v.outlier_pos[i];
-    return {pos, half_bits_to_float(hb)};
+    return {pos, half_bits_to_float_fast(hb)};
   }
 
   /// f(channel, exact value) for the outliers of vector (loc, h).
@@ -1414,38 +1414,76 @@ class Unit {
     }
   }
 
-  /// f(channel, exact value - dense value) for the k outliers of vector (segment-local token
-  /// loc, head h). The dense value is code * scale + zero as the kernels see it (zero with the
-  /// folded offset, fp8 unscaled value times scale * 2^8 for e4m3, nuq: the code's level);
-  /// the vector's group-box and element offsets are computed once, not per outlier.
+  /// f(t, channel, exact value - dense value) for the k outliers of each vector (segment-local
+  /// token loc0 + t, head h), t in [0, n). The dense value is code * scale + zero as the kernels
+  /// see it (zero with the folded offset, fp8 unscaled value times scale * 2^8 for e4m3, nuq:
+  /// the code's level). Everything that does not change per outlier is hoisted: the group box's
+  /// token block is counted along the tokens, the channel group is a multiply-shift (no integer
+  /// division), and the code kind and position width are template parameters.
   template <class F>
-  static void for_outlier_deltas(const Stream& st, int64_t loc, int64_t h, F&& f) {
+  static void for_outlier_deltas(const Stream& st, int64_t loc0, int64_t n, int64_t h, F&& f) {
+    const bool wide = st.view.shape.head_dim > 256;  // 2-byte positions
+    if (st.load == Load::kE4M3) {
+      wide ? outlier_deltas<1, true>(st, loc0, n, h, f) : outlier_deltas<1, false>(st, loc0, n, h, f);
+    } else if (st.load == Load::kE5M2) {
+      wide ? outlier_deltas<2, true>(st, loc0, n, h, f) : outlier_deltas<2, false>(st, loc0, n, h, f);
+    } else {
+      wide ? outlier_deltas<0, true>(st, loc0, n, h, f) : outlier_deltas<0, false>(st, loc0, n, h, f);
+    }
+  }
+
+  /// for_outlier_deltas for one code kind (0: int / nuq codes, st.bits wide, LSB-first
+  /// bitstream; 1: e4m3; 2: e5m2) and position width.
+  template <int Kind, bool Wide, class F>
+  static void outlier_deltas(const Stream& st, int64_t loc0, int64_t n, int64_t h, F& f) {
     const PackedView& v = st.view;
     const int64_t H = v.shape.heads, D = v.shape.head_dim, k = st.nout;
     const GroupBox& b = st.box;
-    const int64_t gbase = ((loc / b.gt) * b.nh + h / b.gh) * b.nc;
     const bool gc1 = b.gc == D;  // one group over the vector's channels
-    const auto ebase = static_cast<std::size_t>((loc * H + h) * D);
-    const auto obase = static_cast<std::size_t>((loc * H + h) * k);
-    const bool fp8 = st.load == Load::kE4M3 || st.load == Load::kE5M2;
+    // pos / gc == (pos * gmul) >> 32 exactly for pos, gc < 2^16
+    const bool fast_div = D < (int64_t{1} << 16);
+    const uint64_t gmul = (uint64_t{1} << 32) / static_cast<uint64_t>(b.gc) + 1;
+    auto group_of = [&](int64_t pos) {
+      if (gc1) return int64_t{0};
+      return fast_div ? static_cast<int64_t>((static_cast<uint64_t>(pos) * gmul) >> 32) : pos / b.gc;
+    };
     const auto bits = static_cast<std::size_t>(st.bits);
     const uint32_t mask = (1u << st.bits) - 1u;
-    for (int64_t j = 0; j < k; ++j) {
-      const auto [pos, val] = outlier_at(v, obase + static_cast<std::size_t>(j));
-      const std::size_t e = ebase + static_cast<std::size_t>(pos);
-      float c;
-      if (fp8) {
-        c = st.load == Load::kE4M3 ? SimdScalar::from_e4m3(v.codes + e) : SimdScalar::from_e5m2(v.codes + e);
-      } else {  // int / nuq codes, st.bits wide, LSB-first bitstream
-        const std::size_t bit = e * bits;
-        uint32_t w = v.codes[bit / 8];
-        if (bit % 8 + bits > 8) w |= static_cast<uint32_t>(v.codes[bit / 8 + 1]) << 8;
-        const uint32_t code = (w >> (bit % 8)) & mask;
-        c = st.nuq ? st.lut[code] : static_cast<float>(code);
+    const float mul = st.mul, off = st.off;
+    const bool zeros = st.zeros, nuq = st.nuq;
+    const int64_t hb = h / b.gh;
+    int64_t tb = loc0 / b.gt, tr = loc0 % b.gt;  // token block of loc0 + t, and t's place in it
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t vec = (loc0 + t) * H + h;
+      const int64_t gbase = (tb * b.nh + hb) * b.nc;
+      const auto ebase = static_cast<std::size_t>(vec * D);
+      const auto obase = static_cast<std::size_t>(vec * k);
+      for (int64_t j = 0; j < k; ++j) {
+        const std::size_t i = obase + static_cast<std::size_t>(j);
+        uint16_t hv;
+        std::memcpy(&hv, v.outlier_values + 2 * i, 2);
+        const int64_t pos = Wide ? (v.outlier_pos[2 * i] | (v.outlier_pos[2 * i + 1] << 8)) : v.outlier_pos[i];
+        const std::size_t e = ebase + static_cast<std::size_t>(pos);
+        float c;
+        if constexpr (Kind == 1) {
+          c = SimdScalar::from_e4m3(v.codes + e);
+        } else if constexpr (Kind == 2) {
+          c = SimdScalar::from_e5m2(v.codes + e);
+        } else {
+          const std::size_t bit = e * bits;
+          uint32_t w = v.codes[bit / 8];
+          if (bit % 8 + bits > 8) w |= static_cast<uint32_t>(v.codes[bit / 8 + 1]) << 8;
+          const uint32_t code = (w >> (bit % 8)) & mask;
+          c = nuq ? st.lut[code] : static_cast<float>(code);
+        }
+        const auto g = static_cast<std::size_t>(gbase + group_of(pos));
+        const float sc = v.scale(g);
+        f(t, pos, half_bits_to_float_fast(hv) - std::fma(c, sc * mul, (zeros ? v.zero(g) : 0.f) - off * sc));
       }
-      const auto g = static_cast<std::size_t>(gc1 ? gbase : gbase + pos / b.gc);
-      const float sc = v.scale(g);
-      f(pos, val - std::fma(c, sc * st.mul, (st.zeros ? v.zero(g) : 0.f) - st.off * sc));
+      if (++tr == b.gt) {
+        tr = 0;
+        ++tb;
+      }
     }
   }
 
@@ -1453,10 +1491,9 @@ class Unit {
   void outlier_scores(const Stream& st, int64_t loc0, int64_t n, int64_t h, const float* q,
                       float* sc) const {
     const int64_t R = R_, D = P_.D;
-    for (int64_t t = 0; t < n; ++t)
-      for_outlier_deltas(st, loc0 + t, h, [&](int64_t pos, float dv) {
-        for (int64_t r = 0; r < R; ++r) sc[r * kTile + t] += q[r * D + pos] * dv;
-      });
+    for_outlier_deltas(st, loc0, n, h, [&](int64_t t, int64_t pos, float dv) {
+      for (int64_t r = 0; r < R; ++r) sc[r * kTile + t] += q[r * D + pos] * dv;
+    });
   }
 
   /// acc[r, channel] (R rows, stride D; even/odd channel order when eo) += p[r * kTile + t] *
@@ -1464,11 +1501,10 @@ class Unit {
   void outlier_values(const Stream& st, int64_t loc0, int64_t n, int64_t h, const float* p,
                       float* acc, bool eo) const {
     const int64_t R = R_, D = P_.D;
-    for (int64_t t = 0; t < n; ++t)
-      for_outlier_deltas(st, loc0 + t, h, [&](int64_t pos, float dv) {
-        const int64_t i = eo ? (pos & ~int64_t{15}) + (pos & 1) * 8 + ((pos & 15) >> 1) : pos;
-        for (int64_t r = 0; r < R; ++r) acc[r * D + i] += p[r * kTile + t] * dv;
-      });
+    for_outlier_deltas(st, loc0, n, h, [&](int64_t t, int64_t pos, float dv) {
+      const int64_t i = eo ? (pos & ~int64_t{15}) + (pos & 1) * 8 + ((pos & 15) >> 1) : pos;
+      for (int64_t r = 0; r < R; ++r) acc[r * D + i] += p[r * kTile + t] * dv;
+    });
   }
 
   void rescale(float* x, float alpha) {
