@@ -52,6 +52,9 @@ const std::pair<const char*, const char*> kExtraPolicies[] = {
     {"nuq4", "k=nuq4/channel/g32,v=nuq4/token/g32,residual=32"},
     {"nuq3-out1", "k=nuq3/channel/g32/out1%,v=nuq3/token/g32/out1%,residual=32"}};
 const int64_t kDecodeTokens[] = {1024, 8192, 32768};
+/// BM_DecodePreRope: the same caches read as pre-RoPE keys (KVQuant's geometry: every key row
+/// rotated at its position after decoding).
+const char* const kPreRopePolicies[] = {"f16", "kivi4", "nuq3-out1"};
 const int64_t kPrefillChunks[] = {16, 128};
 constexpr int64_t kPrefillContext = 2048;
 
@@ -114,7 +117,8 @@ const kvq::KVCache& cache_for(const std::string& policy, int64_t tokens) {
 
 int64_t stored_bytes(const std::string& policy, int64_t tokens);
 
-void BM_Decode(benchmark::State& state, std::string policy, int64_t tokens) {
+void BM_Decode(benchmark::State& state, std::string policy, int64_t tokens,
+               bool pre_rope = false) {
   const kvq::KVCache& c = cache_for(policy, tokens);
   const auto kv_bytes = static_cast<int64_t>(c.memory_report().total());
   if (kv_bytes != stored_bytes(policy, tokens)) {
@@ -125,9 +129,11 @@ void BM_Decode(benchmark::State& state, std::string policy, int64_t tokens) {
       kvq_bench::make_input(static_cast<std::size_t>(kQueryHeads) * kDim, 3);
   std::vector<float> out(q.size());
   kvq::AttentionWorkspace ws;
-  kvq::attend_one(c, 0, q.data(), kQueryHeads, out.data(), ws);  // sizes the workspace
+  const kvq::RopeConfig rope;  // pre_rope: the cache's keys are taken as pre-RoPE keys
+  const kvq::RopeConfig* key_rope = pre_rope ? &rope : nullptr;
+  kvq::attend_one(c, 0, q.data(), kQueryHeads, out.data(), ws, key_rope);  // sizes the workspace
   for (auto _ : state) {
-    kvq::attend_one(c, 0, q.data(), kQueryHeads, out.data(), ws);
+    kvq::attend_one(c, 0, q.data(), kQueryHeads, out.data(), ws, key_rope);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
@@ -290,6 +296,13 @@ int register_all() {
     benchmark::RegisterBenchmark(
         ("BM_Decode/" + std::string(e.first) + "/" + std::to_string(n)).c_str(),
         [p = std::string(e.first), n](benchmark::State& s) { BM_Decode(s, p, n); })
+        ->Unit(benchmark::kMillisecond);
+  }
+  for (const char* p : kPreRopePolicies) {
+    const int64_t n = kMaxTokens;
+    benchmark::RegisterBenchmark(
+        ("BM_DecodePreRope/" + std::string(p) + "/" + std::to_string(n)).c_str(),
+        [p = std::string(p), n](benchmark::State& s) { BM_Decode(s, p, n, true); })
         ->Unit(benchmark::kMillisecond);
   }
   benchmark::RegisterBenchmark("BM_FmaPeak", BM_FmaPeak);

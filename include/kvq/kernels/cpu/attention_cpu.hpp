@@ -130,7 +130,8 @@ struct Scratch {
   std::vector<float> kq, vq;    // [kTile] QJL factors
   std::vector<float> qf, qz;    // [rows, D], [rows] channel-folded queries
   std::vector<float> krow;      // [kTile, D] decoded (pre-RoPE) key rows
-  std::vector<float> rc, rs;    // [D/2] RoPE cos/sin of one position
+  std::vector<float> rc, rs;    // [kTile, D/2] RoPE cos/sin of positions rope_t0 + t
+  int64_t rope_t0 = 0, rope_n = 0;  // the positions rc/rs hold (rope_n = 0: none)
   std::vector<float> tmp;       // [max(D, rows)]
   // AVX2 tiles over several segments (attention_avx2.hpp)
   struct Piece {
@@ -153,6 +154,7 @@ struct Workspace {
   std::vector<float> sq;      // [H, nq*G, D] S R q (QJL keys)
   std::vector<float> sqsum;   // [H, nq*G]
   std::vector<double> inv_freq;  // [D/2] RoPE
+  std::vector<double> rope_c1, rope_s1;  // [D/2] cos / sin of inv_freq (one position's step)
   std::vector<float> um, ul, uacc;  // per work unit results
   std::vector<float> out_row;
   std::vector<Scratch> scratch;
@@ -607,8 +609,11 @@ class Unit {
     sc_.vq.resize(kTile);
     sc_.qf.resize(static_cast<std::size_t>(R_ * D));
     sc_.qz.resize(static_cast<std::size_t>(R_));
-    sc_.rc.resize(static_cast<std::size_t>(D / 2 + 1));
-    sc_.rs.resize(static_cast<std::size_t>(D / 2 + 1));
+    if (P_.rope != nullptr) {
+      sc_.rc.resize(static_cast<std::size_t>(kTile * (D / 2)));
+      sc_.rs.resize(static_cast<std::size_t>(kTile * (D / 2)));
+    }
+    sc_.rope_n = 0;  // this call's positions and frequencies are computed afresh
     sc_.tmp.resize(static_cast<std::size_t>(std::max(D, R_)));
 
     if (a < b) {
@@ -1595,11 +1600,41 @@ class Unit {
     }
   }
 
+  /// cos / sin of positions [t0, t0 + n) (n <= kTile) for every RoPE frequency into sc_.rc /
+  /// sc_.rs ([t, D/2]), once per tile piece: every kv head of the piece reuses them (they were
+  /// computed per row before, 2 x D/2 libm calls per token and head). Per frequency w: an exact
+  /// seed cos(t0 w), sin(t0 w) in double, then angle addition by the precomputed cos(w),
+  /// sin(w) in double for the following positions, each rounded to float. After at most
+  /// kTile - 1 steps the double recurrence is within ~1e-14 of cos/sin(pos w), far below the
+  /// float rounding of the table (so the rows match core/rope.hpp's to about one float ulp).
+  void rope_table(int64_t t0, int64_t n) {
+    if (sc_.rope_n >= n && sc_.rope_t0 == t0) return;
+    const int64_t half = P_.D / 2;
+    float* rc = sc_.rc.data();
+    float* rs = sc_.rs.data();
+    for (int64_t i = 0; i < half; ++i) {
+      const auto ui = static_cast<std::size_t>(i);
+      const double ang = static_cast<double>(t0) * ws_.inv_freq[ui];
+      double c = std::cos(ang), s = std::sin(ang);
+      const double c1 = ws_.rope_c1[ui], s1 = ws_.rope_s1[ui];
+      for (int64_t t = 0; t < n; ++t) {
+        rc[t * half + i] = static_cast<float>(c);
+        rs[t * half + i] = static_cast<float>(s);
+        const double cn = c * c1 - s * s1;
+        s = s * c1 + c * s1;
+        c = cn;
+      }
+    }
+    sc_.rope_t0 = t0;
+    sc_.rope_n = n;
+  }
+
   /// Pre-RoPE keys: each row decoded (L1), rotated at its position, then scored.
   void score_rope(const CacheSegment& seg, const Stream& ks, int64_t h, int64_t t0, int64_t n,
                   const float* qs) {
     const int64_t D = P_.D, nj = D / S::W, R = R_, loc0 = t0 - seg.begin;
     float* kr = sc_.krow.data();
+    rope_table(t0, n);
     for (int64_t t = 0; t < n; ++t) {
       float* out = kr + t * D;
       if (!ks.packed) {
@@ -1618,13 +1653,7 @@ class Unit {
         if (ks.nout > 0)  // the exact outlier values over the dense ones, before the rotation
           for_outliers(ks, loc0 + t, h, [&](int64_t pos, float val) { out[pos] = val; });
       }
-      const int64_t pos = t0 + t;
-      for (int64_t i = 0; i < D / 2; ++i) {
-        const double ang = static_cast<double>(pos) * ws_.inv_freq[static_cast<std::size_t>(i)];
-        sc_.rc[static_cast<std::size_t>(i)] = static_cast<float>(std::cos(ang));
-        sc_.rs[static_cast<std::size_t>(i)] = static_cast<float>(std::sin(ang));
-      }
-      rope_row(out, D, sc_.rc.data(), sc_.rs.data(), P_.rope->style);
+      rope_row(out, D, sc_.rc.data() + t * (D / 2), sc_.rs.data() + t * (D / 2), P_.rope->style);
     }
     dot_rows<S>([&](int64_t t, int64_t j) { return S::load(kr + t * D + j * S::W); }, n, nj, qs,
                 D, R, sc_.s.data());
@@ -1903,9 +1932,14 @@ void attend_impl(Workspace& ws, Problem& P, KVView<const float> q, KVView<float>
 #endif
   if (P.rope != nullptr) {
     ws.inv_freq.resize(static_cast<std::size_t>(D / 2));
-    for (int64_t i = 0; i < D / 2; ++i)
-      ws.inv_freq[static_cast<std::size_t>(i)] =
-          std::pow(P.rope->theta, -static_cast<double>(2 * i) / static_cast<double>(D));
+    ws.rope_c1.resize(static_cast<std::size_t>(D / 2));
+    ws.rope_s1.resize(static_cast<std::size_t>(D / 2));
+    for (int64_t i = 0; i < D / 2; ++i) {
+      const auto ui = static_cast<std::size_t>(i);
+      ws.inv_freq[ui] = std::pow(P.rope->theta, -static_cast<double>(2 * i) / static_cast<double>(D));
+      ws.rope_c1[ui] = std::cos(ws.inv_freq[ui]);
+      ws.rope_s1[ui] = std::sin(ws.inv_freq[ui]);
+    }
   }
   const std::size_t units = static_cast<std::size_t>(P.nchunks * P.nqb);
   const std::size_t stride = static_cast<std::size_t>(H * kQueryBlock * G);
