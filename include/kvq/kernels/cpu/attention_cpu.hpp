@@ -132,6 +132,7 @@ struct Scratch {
   std::vector<float> krow;      // [kTile, D] decoded (pre-RoPE) key rows
   std::vector<float> rc, rs;    // [kTile, D/2] RoPE cos/sin of positions rope_t0 + t
   int64_t rope_t0 = 0, rope_n = 0;  // the positions rc/rs hold (rope_n = 0: none)
+  std::vector<double> rope_c, rope_s;  // [D/2] the recurrence's state (rope_table)
   std::vector<float> tmp;       // [max(D, rows)]
   // AVX2 tiles over several segments (attention_avx2.hpp)
   struct Piece {
@@ -612,6 +613,8 @@ class Unit {
     if (P_.rope != nullptr) {
       sc_.rc.resize(static_cast<std::size_t>(kTile * (D / 2)));
       sc_.rs.resize(static_cast<std::size_t>(kTile * (D / 2)));
+      sc_.rope_c.resize(static_cast<std::size_t>(D / 2));
+      sc_.rope_s.resize(static_cast<std::size_t>(D / 2));
     }
     sc_.rope_n = 0;  // this call's positions and frequencies are computed afresh
     sc_.tmp.resize(static_cast<std::size_t>(std::max(D, R_)));
@@ -1612,17 +1615,22 @@ class Unit {
     const int64_t half = P_.D / 2;
     float* rc = sc_.rc.data();
     float* rs = sc_.rs.data();
+    double* c = sc_.rope_c.data();
+    double* s = sc_.rope_s.data();
+    const double* c1 = ws_.rope_c1.data();
+    const double* s1 = ws_.rope_s1.data();
     for (int64_t i = 0; i < half; ++i) {
-      const auto ui = static_cast<std::size_t>(i);
-      const double ang = static_cast<double>(t0) * ws_.inv_freq[ui];
-      double c = std::cos(ang), s = std::sin(ang);
-      const double c1 = ws_.rope_c1[ui], s1 = ws_.rope_s1[ui];
-      for (int64_t t = 0; t < n; ++t) {
-        rc[t * half + i] = static_cast<float>(c);
-        rs[t * half + i] = static_cast<float>(s);
-        const double cn = c * c1 - s * s1;
-        s = s * c1 + c * s1;
-        c = cn;
+      const double ang = static_cast<double>(t0) * ws_.inv_freq[static_cast<std::size_t>(i)];
+      c[i] = std::cos(ang);
+      s[i] = std::sin(ang);
+    }
+    for (int64_t t = 0; t < n; ++t) {  // frequencies inner: independent chains, vectorized
+      for (int64_t i = 0; i < half; ++i) {
+        rc[t * half + i] = static_cast<float>(c[i]);
+        rs[t * half + i] = static_cast<float>(s[i]);
+        const double cn = c[i] * c1[i] - s[i] * s1[i];
+        s[i] = s[i] * c1[i] + c[i] * s1[i];
+        c[i] = cn;
       }
     }
     sc_.rope_t0 = t0;
