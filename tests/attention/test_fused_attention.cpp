@@ -209,6 +209,24 @@ TEST(FusedAttention, PreRopeKeys) {
       }
 }
 
+// ---- pre-RoPE keys far into the context: the fused kernels' RoPE table (an exact seed per
+// tile piece, then angle addition) against the oracle's cos / sin per position, at positions
+// up to 20000 with both styles (f32 / f16 keys, so the rotation is what differs).
+TEST(FusedAttention, PreRopeKeysAtLongPositions) {
+  kvq::RopeConfig adj, half;
+  half.style = kvq::RopeStyle::kHalf;
+  half.theta = 500000.0;
+  for (const char* spec : {"k=f32,v=f32", "k=f16,v=int4/token/g32,residual=32"}) {
+    const KVCache c = filled_cache(spec, 20000, 2, 64, 5);
+    for (const kvq::RopeConfig* rc : {&adj, &half}) {
+      AttentionOptions opt;
+      opt.split_tokens = 1000;  // pieces start at many positions
+      EXPECT_LE(fused_vs_oracle(c, 4, 1, true, rc, opt), kTol) << spec;
+      EXPECT_LE(fused_vs_oracle(c, 4, 3, true, rc, opt), kTol) << spec;
+    }
+  }
+}
+
 // ---- the result depends on the split, never on the thread count (bit-exact), including a
 // caller-supplied parallel-for.
 TEST(FusedAttention, ThreadCountDoesNotChangeTheResult) {
