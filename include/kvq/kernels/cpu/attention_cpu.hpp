@@ -485,24 +485,35 @@ inline void tile_meta(const Stream& st, int64_t t0, int64_t n, int64_t h, float*
     }
     return;
   }
+  // Group index of (token t0 + t, head h, group g of the row) = b.index(t0 + t, h, g * gc),
+  // with the token block counted along the tokens (no integer division per token and group).
+  const int64_t hb = h / b.gh;
+  int64_t tb = t0 / b.gt, tr = t0 % b.gt;
+  auto row_base = [&]() { return static_cast<std::size_t>((tb * b.nh + hb) * b.nc); };
+  auto next_token = [&]() {
+    if (++tr == b.gt) {
+      tr = 0;
+      ++tb;
+    }
+  };
   switch (st.scale) {
     case Scale::kRow:
-      for (int64_t t = 0; t < n; ++t)
-        sz(static_cast<std::size_t>(b.index(t0 + t, h, 0)), ms + t, mz + t);
+      for (int64_t t = 0; t < n; ++t, next_token()) sz(row_base(), ms + t, mz + t);
       return;
     case Scale::kGroup: {
       const int64_t ng = D / b.gc;
-      for (int64_t t = 0; t < n; ++t)
+      for (int64_t t = 0; t < n; ++t, next_token()) {
+        const std::size_t g0 = row_base();
         for (int64_t g = 0; g < ng; ++g)
-          sz(static_cast<std::size_t>(b.index(t0 + t, h, g * b.gc)), ms + t * ng + g,
-             mz + t * ng + g);
+          sz(g0 + static_cast<std::size_t>(g), ms + t * ng + g, mz + t * ng + g);
+      }
       return;
     }
     case Scale::kExpand:
-      for (int64_t t = 0; t < n; ++t)
+      for (int64_t t = 0; t < n; ++t, next_token())
         for (int64_t g = 0; g < D / b.gc; ++g) {
           float s, z;
-          sz(static_cast<std::size_t>(b.index(t0 + t, h, g * b.gc)), &s, &z);
+          sz(row_base() + static_cast<std::size_t>(g), &s, &z);
           for (int64_t d = g * b.gc; d < (g + 1) * b.gc; ++d) {
             ms[t * D + d] = s;
             mz[t * D + d] = z;
