@@ -633,7 +633,7 @@ class Unit {
     if (a < b) {
 #if KVQ_HAS_AVX2 && KVQ_HAS_F16C
       if constexpr (std::is_same<S, Simd256>::value) {
-        if (P_.rope == nullptr && D % 16 == 0) {
+        if (D % 16 == 0) {
           // all heads of a tile at once: [H, R, kTile] scores and weights, [H, ...] metadata
           const auto hr = static_cast<std::size_t>(H * R_);
           const auto ngmax = static_cast<std::size_t>(D / 16);
@@ -648,6 +648,8 @@ class Unit {
                                           static_cast<std::size_t>(std::max(H, kTile) * D));
           for (auto* v : {&sc_.kms, &sc_.kmz, &sc_.vms, &sc_.vmz}) v->resize(mt);
           for (auto* v : {&sc_.kub, &sc_.vub}) v->resize(static_cast<std::size_t>(kTile * H * D));
+          if (P_.rope != nullptr)
+            sc_.krow.resize(static_cast<std::size_t>(std::max(kRopeBlock * H, kTile) * D));
           sc_.pieces.reserve(static_cast<std::size_t>(kTile));
           sc_.next.reserve(static_cast<std::size_t>(kTile));
           run_tiles(a, b);
@@ -705,6 +707,10 @@ class Unit {
     return st.scale != Scale::kGroup || st.box.gc % 16 == 0;
   }
 
+  /// True when tile_all reads these keys: pre-RoPE keys of any kind (decoded and rotated to
+  /// f32 rows first), else the kinds the microkernels read.
+  bool keys_in_tile(const Stream& ks) const { return P_.rope != nullptr || fast_stream(ks); }
+
   /// True when two segments' streams may share a tile (same reading, only the pointers differ).
   static bool same_kind(const Stream& a, const Stream& b) {
     if (a.packed != b.packed || !fast_stream(a) || !fast_stream(b)) return false;
@@ -733,7 +739,7 @@ class Unit {
       const Stream& vs = ws_.vs[si];
       if (tn > 0 && !(same_kind(ws_.ks[out.front().si], ks) && same_kind(ws_.vs[out.front().si], vs)))
         return tn;
-      const bool alone = !(fast_stream(ks) && fast_stream(vs));
+      const bool alone = !(keys_in_tile(ks) && fast_stream(vs));
       while (t < s1) {
         int64_t e = std::min(s1, t + kTile - tn);
         for (const Stream* st : {&ks, &vs})
@@ -782,7 +788,7 @@ class Unit {
       // prefetched while this tile is processed
       const int64_t nn = next_tile(a, b, si, t, sc_.next);
       const std::size_t si0 = sc_.pieces.front().si;
-      if (fast_stream(ws_.ks[si0]) && fast_stream(ws_.vs[si0])) {
+      if (keys_in_tile(ws_.ks[si0]) && fast_stream(ws_.vs[si0])) {
         for (const Piece& p : sc_.next) {
           prefetch_meta(ws_.ks[p.si], p);
           prefetch_meta(ws_.vs[p.si], p);
@@ -1064,6 +1070,39 @@ class Unit {
     }
   }
 
+  /// Tile tokens per block of pre-RoPE key rows (all heads) decoded before they are scored: the
+  /// block's f32 rows (16 x H x D floats, 64 KiB at H = 8, D = 128) stay in L2.
+  static constexpr int64_t kRopeBlock = 16;
+
+  /// Pre-RoPE keys of tile tokens [a, b) for all heads: every piece's rows decoded and rotated
+  /// (rope_key_row) into sc_.krow as [b - a, H, D] floats, krp[t] at token t's rows. The RoPE
+  /// table holds the tile's positions (rope_table of the tile); a piece whose positions it does
+  /// not hold gets its own. Sets `span` to a token's bytes and returns the byte stride between
+  /// heads.
+  int64_t rope_keys_all(int64_t a, int64_t b, int64_t& span) {
+    const int64_t H = P_.H, D = P_.D;
+    float* kr = sc_.krow.data();
+    for (const Piece& p : sc_.pieces) {
+      const int64_t lo = std::max(a, p.o), hi = std::min(b, p.o + p.n);
+      if (lo >= hi) continue;
+      const Stream& ks = ws_.ks[p.si];
+      const int64_t loc = p.loc0 + (lo - p.o);
+      const int64_t pos = ws_.segs[p.si].begin + loc;
+      if (!(pos >= sc_.rope_t0 && pos + (hi - lo) <= sc_.rope_t0 + sc_.rope_n))
+        rope_table(pos, hi - lo);
+      const int64_t tr0 = pos - sc_.rope_t0;
+      for (int64_t h = 0; h < H; ++h) {
+        if (ks.packed) tile_meta(ks, loc, hi - lo, h, sc_.kms.data(), sc_.kmz.data(), sc_.kq.data());
+        for (int64_t t = lo; t < hi; ++t)
+          rope_key_row(ks, loc + (t - lo), h, t - lo, tr0 + (t - lo), kr + ((t - a) * H + h) * D);
+      }
+    }
+    for (int64_t t = a; t < b; ++t)
+      sc_.krp[static_cast<std::size_t>(t)] = reinterpret_cast<const uint8_t*>(kr + (t - a) * H * D);
+    span = H * D * static_cast<int64_t>(sizeof(float));
+    return D * static_cast<int64_t>(sizeof(float));
+  }
+
   void tile_all(int64_t n) {
     using V = avx2::V;
     const auto& pcs = sc_.pieces;
@@ -1072,13 +1111,31 @@ class Unit {
     const Stream& vs0 = ws_.vs[pcs.front().si];
     const int64_t t0 = ws_.segs[pcs.front().si].begin + pcs.front().loc0;
     int64_t kspan = 0, vspan = 0;
-    const int64_t khs = row_ptrs(ws_.ks, pcs, sc_.krp.data(), kspan, sc_.kub.data());
     const int64_t vhs = row_ptrs(ws_.vs, pcs, sc_.vrp.data(), vspan, sc_.vub.data());
-    for (int64_t t = 0; t < std::min(n, kKeyAhead); ++t) prefetch_rows(sc_.krp[static_cast<std::size_t>(t)], kspan);
-    // ---- keys: scores [H, R, n]
-    with_load(ks0.packed ? ks0.load : Load::kF32,
-              [&](auto LC) { score_all<LC.value>(n, khs, kspan, vspan); });
-    if (ks0.nout > 0)
+    if (P_.rope != nullptr) {
+      // ---- pre-RoPE keys: the tile's rows of every head decoded and rotated into f32 rows
+      // (sc_.krow, [n, H, D]), then scored by the same all-heads kernels as f32 keys
+      rope_table(t0, n);
+      const float* qs = ws_.qs.data() + i0_ * P_.G * P_.D;
+      const uint8_t* const* rp = sc_.krp.data();
+      const int64_t khs = P_.D * static_cast<int64_t>(sizeof(float));
+      auto plain = [rp, khs](int64_t h) {
+        const int64_t off = h * khs;
+        return [rp, off](int64_t t, int64_t jp) { return avx2::ld2<Load::kF32>(rp[t] + off, jp, nullptr); };
+      };
+      for (int64_t a = 0; a < n; a += kRopeBlock) {
+        const int64_t b = std::min(n, a + kRopeBlock);
+        rope_keys_all(a, b, kspan);
+        dot_all(a, b, b, qs, P_.nq * P_.G * P_.D, plain, kspan, vspan);
+      }
+    } else {
+      const int64_t khs = row_ptrs(ws_.ks, pcs, sc_.krp.data(), kspan, sc_.kub.data());
+      for (int64_t t = 0; t < std::min(n, kKeyAhead); ++t) prefetch_rows(sc_.krp[static_cast<std::size_t>(t)], kspan);
+      // ---- keys: scores [H, R, n]
+      with_load(ks0.packed ? ks0.load : Load::kF32,
+                [&](auto LC) { score_all<LC.value>(n, khs, kspan, vspan); });
+    }
+    if (ks0.nout > 0 && P_.rope == nullptr)
       for (const Piece& p : pcs)
         for (int64_t h = 0; h < H; ++h)
           outlier_scores(ws_.ks[p.si], p.loc0, p.n, h,
@@ -1648,32 +1705,37 @@ class Unit {
     sc_.rope_n = n;
   }
 
+  /// Key row (segment-local token loc, head h) decoded to floats in `out` and rotated by the
+  /// RoPE table's row tr (pre-RoPE keys); the tile metadata (tile_meta of head h) is read at
+  /// row t. Outliers' exact values are written before the rotation.
+  void rope_key_row(const Stream& ks, int64_t loc, int64_t h, int64_t t, int64_t tr, float* out) {
+    const int64_t D = P_.D;
+    if (!ks.packed) {
+      std::copy(ks.rows.row(loc, h), ks.rows.row(loc, h) + D, out);
+    } else {
+      const uint8_t* row = packed_row(ks, loc, h, sc_.ku.data());
+      if (ks.qjl) {
+        const auto vi = static_cast<std::size_t>(loc * ks.view.shape.heads + h);
+        unpack_bits(ks.view.qjl_signs, static_cast<std::size_t>(D), 1, sc_.ksg.data(),
+                    vi * static_cast<std::size_t>(D));
+      }
+      with_load(ks.load, [&](auto LC) {
+        decode_row<S, LC.value>(ks, row, sc_.ksg.data(), t, sc_.kms.data(), sc_.kmz.data(),
+                                sc_.kq.data(), out, D);
+      });
+      if (ks.nout > 0)  // the exact outlier values over the dense ones, before the rotation
+        for_outliers(ks, loc, h, [&](int64_t pos, float val) { out[pos] = val; });
+    }
+    rope_row(out, D, sc_.rc.data() + tr * (D / 2), sc_.rs.data() + tr * (D / 2), P_.rope->style);
+  }
+
   /// Pre-RoPE keys: each row decoded (L1), rotated at its position, then scored.
   void score_rope(const CacheSegment& seg, const Stream& ks, int64_t h, int64_t t0, int64_t n,
                   const float* qs) {
     const int64_t D = P_.D, nj = D / S::W, R = R_, loc0 = t0 - seg.begin;
     float* kr = sc_.krow.data();
     rope_table(t0, n);
-    for (int64_t t = 0; t < n; ++t) {
-      float* out = kr + t * D;
-      if (!ks.packed) {
-        std::copy(ks.rows.row(loc0 + t, h), ks.rows.row(loc0 + t, h) + D, out);
-      } else {
-        const uint8_t* row = packed_row(ks, loc0 + t, h, sc_.ku.data());
-        if (ks.qjl) {
-          const auto vi = static_cast<std::size_t>((loc0 + t) * ks.view.shape.heads + h);
-          unpack_bits(ks.view.qjl_signs, static_cast<std::size_t>(D), 1, sc_.ksg.data(),
-                      vi * static_cast<std::size_t>(D));
-        }
-        with_load(ks.load, [&](auto LC) {
-          decode_row<S, LC.value>(ks, row, sc_.ksg.data(), t, sc_.kms.data(), sc_.kmz.data(),
-                                  sc_.kq.data(), out, D);
-        });
-        if (ks.nout > 0)  // the exact outlier values over the dense ones, before the rotation
-          for_outliers(ks, loc0 + t, h, [&](int64_t pos, float val) { out[pos] = val; });
-      }
-      rope_row(out, D, sc_.rc.data() + t * (D / 2), sc_.rs.data() + t * (D / 2), P_.rope->style);
-    }
+    for (int64_t t = 0; t < n; ++t) rope_key_row(ks, loc0 + t, h, t, t, kr + t * D);
     dot_rows<S>([&](int64_t t, int64_t j) { return S::load(kr + t * D + j * S::W); }, n, nj, qs,
                 D, R, sc_.s.data());
   }
@@ -2060,7 +2122,7 @@ void attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D, KVView<cons
   P.nchunks = (T + P.split - 1) / P.split;
   P.nqb = (nq + kQueryBlock - 1) / kQueryBlock;
 #if KVQ_HAS_AVX512
-  if (D % 16 == 0 && !(KVQ_HAS_AVX2 && KVQ_HAS_F16C && rope == nullptr))
+  if (D % 16 == 0 && !(KVQ_HAS_AVX2 && KVQ_HAS_F16C))
     return attend_impl<Simd512>(ws, P, q, out, opt);
 #endif
 #if KVQ_HAS_AVX2 && KVQ_HAS_F16C
