@@ -1,7 +1,7 @@
 #pragma once
 /// \file attention_avx2.hpp
 /// Microkernels of the fused attention's all-heads tile loop (kernels/cpu/attention_cpu.hpp,
-/// Unit::run_tiles, head_dim a multiple of 16, keys not pre-RoPE): AVX2+FMA+F16C, and on
+/// Unit::run_tiles, head_dim a multiple of 16; pre-RoPE keys arrive as f32 rows): AVX2+FMA+F16C, and on
 /// AVX-512 builds the same kernels over one 16-lane vector per 16 channels (V2, kWide). The
 /// per-head and scalar paths keep the generic templates of that file.
 ///

@@ -14,8 +14,9 @@
 ///    register with one FMA shared by all query heads of the GQA group; Lloyd-Max keys are
 ///    scored against centroids with the query rotated once (q.k = (Rq).(Rk)), QJL adding
 ///    norm * c * (S Rq).sign; f32/f16/bf16 are read directly. No float key tensor is ever
-///    written to memory (pre-RoPE keys are the exception: each row is decoded into one
-///    L1-resident row, rotated at its position, then scored).
+///    written to memory (pre-RoPE keys are the exception: rows are decoded to floats in
+///    blocks of 16 tokens x all heads (per-head path: one row), rotated at their positions
+///    with a per-tile RoPE table, then scored).
 ///  - Values are accumulated from their codes: a row scale multiplies the softmax weight
 ///    (w = p s) and zero points accumulate as one scalar per row; Lloyd-Max values accumulate
 ///    in the rotated domain (w = p * norm) and are rotated back once per work unit.
@@ -28,13 +29,14 @@
 ///    bit-identical for any number of threads.
 /// Three instruction sets share this code (kernels/cpu/attention_simd.hpp): AVX-512 when
 /// head_dim is a multiple of 16, AVX2 when a multiple of 8, else (and under KVQ_NO_SIMD) scalar.
-/// When head_dim is a multiple of 16 and keys are not pre-RoPE, AVX2 and AVX-512 builds alike
-/// run the Simd256 instance's own tile loop (Unit::run_tiles): tiles gathered over several
+/// When head_dim is a multiple of 16, AVX2 and AVX-512 builds alike run the Simd256
+/// instance's own tile loop (Unit::run_tiles): tiles gathered over several
 /// pages, all kv heads per tile, keys read token-major, odd-width codes unpacked once per tile,
 /// rows prefetched ahead into L2, and the 16-channel register-blocked microkernels of
 /// kernels/cpu/attention_avx2.hpp (two 8-lane vectors per 16 channels on AVX2, one 16-lane
-/// vector on AVX-512; value group scales folded into the weights). Pre-RoPE keys on AVX-512
-/// take the per-head Simd512 path.
+/// vector on AVX-512; value group scales folded into the weights; pre-RoPE keys decoded and
+/// rotated to f32 rows first). Streams the microkernels do not read (QJL values, value groups
+/// that are not a multiple of 16 channels) take the per-head path of the same instance.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
