@@ -1078,8 +1078,8 @@ class Unit {
 
   /// Pre-RoPE keys of tile tokens [a, b) for all heads: every piece's rows decoded and rotated
   /// (rope_key_row) into sc_.krow as [b - a, H, D] floats, krp[t] at token t's rows. The RoPE
-  /// table holds the tile's positions (rope_table of the tile); a piece whose positions it does
-  /// not hold gets its own. Sets `span` to a token's bytes and returns the byte stride between
+  /// table usually holds the tile's positions already (tile_all computes it for the whole
+  /// tile). Sets `span` to a token's bytes and returns the byte stride between
   /// heads.
   int64_t rope_keys_all(int64_t a, int64_t b, int64_t& span) {
     const int64_t H = P_.H, D = P_.D;
@@ -1089,10 +1089,7 @@ class Unit {
       if (lo >= hi) continue;
       const Stream& ks = ws_.ks[p.si];
       const int64_t loc = p.loc0 + (lo - p.o);
-      const int64_t pos = ws_.segs[p.si].begin + loc;
-      if (!(pos >= sc_.rope_t0 && pos + (hi - lo) <= sc_.rope_t0 + sc_.rope_n))
-        rope_table(pos, hi - lo);
-      const int64_t tr0 = pos - sc_.rope_t0;
+      const int64_t tr0 = rope_table(ws_.segs[p.si].begin + loc, hi - lo);
       for (int64_t h = 0; h < H; ++h) {
         if (ks.packed) tile_meta(ks, loc, hi - lo, h, sc_.kms.data(), sc_.kmz.data(), sc_.kq.data());
         for (int64_t t = lo; t < hi; ++t)
@@ -1497,22 +1494,21 @@ class Unit {
   /// see it (zero with the folded offset, fp8 unscaled value times scale * 2^8 for e4m3, nuq:
   /// the code's level). Everything that does not change per outlier is hoisted: the group box's
   /// token block is counted along the tokens, the channel group is a multiply-shift (no integer
-  /// division), and the code kind and position width are template parameters.
+  /// division), and the code kind is a template parameter.
   template <class F>
   static void for_outlier_deltas(const Stream& st, int64_t loc0, int64_t n, int64_t h, F&& f) {
-    const bool wide = st.view.shape.head_dim > 256;  // 2-byte positions
     if (st.load == Load::kE4M3) {
-      wide ? outlier_deltas<1, true>(st, loc0, n, h, f) : outlier_deltas<1, false>(st, loc0, n, h, f);
+      outlier_deltas<1>(st, loc0, n, h, f);
     } else if (st.load == Load::kE5M2) {
-      wide ? outlier_deltas<2, true>(st, loc0, n, h, f) : outlier_deltas<2, false>(st, loc0, n, h, f);
+      outlier_deltas<2>(st, loc0, n, h, f);
     } else {
-      wide ? outlier_deltas<0, true>(st, loc0, n, h, f) : outlier_deltas<0, false>(st, loc0, n, h, f);
+      outlier_deltas<0>(st, loc0, n, h, f);
     }
   }
 
   /// for_outlier_deltas for one code kind (0: int / nuq codes, st.bits wide, LSB-first
-  /// bitstream; 1: e4m3; 2: e5m2) and position width.
-  template <int Kind, bool Wide, class F>
+  /// bitstream; 1: e4m3; 2: e5m2).
+  template <int Kind, class F>
   static void outlier_deltas(const Stream& st, int64_t loc0, int64_t n, int64_t h, F& f) {
     const PackedView& v = st.view;
     const int64_t H = v.shape.heads, D = v.shape.head_dim, k = st.nout;
@@ -1537,10 +1533,7 @@ class Unit {
       const auto ebase = static_cast<std::size_t>(vec * D);
       const auto obase = static_cast<std::size_t>(vec * k);
       for (int64_t j = 0; j < k; ++j) {
-        const std::size_t i = obase + static_cast<std::size_t>(j);
-        uint16_t hv;
-        std::memcpy(&hv, v.outlier_values + 2 * i, 2);
-        const int64_t pos = Wide ? (v.outlier_pos[2 * i] | (v.outlier_pos[2 * i + 1] << 8)) : v.outlier_pos[i];
+        const auto [pos, val] = outlier_at(v, obase + static_cast<std::size_t>(j));
         const std::size_t e = ebase + static_cast<std::size_t>(pos);
         float c;
         if constexpr (Kind == 1) {
@@ -1556,7 +1549,7 @@ class Unit {
         }
         const auto g = static_cast<std::size_t>(gbase + group_of(pos));
         const float sc = v.scale(g);
-        f(t, pos, half_bits_to_float_fast(hv) - std::fma(c, sc * mul, (zeros ? v.zero(g) : 0.f) - off * sc));
+        f(t, pos, val - std::fma(c, sc * mul, (zeros ? v.zero(g) : 0.f) - off * sc));
       }
       if (++tr == b.gt) {
         tr = 0;
@@ -1680,8 +1673,10 @@ class Unit {
   /// sin(w) in double for the following positions, each rounded to float. After at most
   /// kTile - 1 steps the double recurrence is within ~1e-14 of cos/sin(pos w), far below the
   /// float rounding of the table (so the rows match core/rope.hpp's to about one float ulp).
-  void rope_table(int64_t t0, int64_t n) {
-    if (sc_.rope_n >= n && sc_.rope_t0 == t0) return;
+  /// Returns the table row of position t0 once the table holds positions [t0, t0 + n): the
+  /// table in place when it already does, else one computed from t0.
+  int64_t rope_table(int64_t t0, int64_t n) {
+    if (t0 >= sc_.rope_t0 && t0 + n <= sc_.rope_t0 + sc_.rope_n) return t0 - sc_.rope_t0;
     const int64_t half = P_.D / 2;
     float* rc = sc_.rc.data();
     float* rs = sc_.rs.data();
@@ -1705,6 +1700,7 @@ class Unit {
     }
     sc_.rope_t0 = t0;
     sc_.rope_n = n;
+    return 0;
   }
 
   /// Key row (segment-local token loc, head h) decoded to floats in `out` and rotated by the
@@ -1736,8 +1732,8 @@ class Unit {
                   const float* qs) {
     const int64_t D = P_.D, nj = D / S::W, R = R_, loc0 = t0 - seg.begin;
     float* kr = sc_.krow.data();
-    rope_table(t0, n);
-    for (int64_t t = 0; t < n; ++t) rope_key_row(ks, loc0 + t, h, t, t, kr + t * D);
+    const int64_t tr0 = rope_table(t0, n);
+    for (int64_t t = 0; t < n; ++t) rope_key_row(ks, loc0 + t, h, t, tr0 + t, kr + t * D);
     dot_rows<S>([&](int64_t t, int64_t j) { return S::load(kr + t * D + j * S::W); }, n, nj, qs,
                 D, R, sc_.s.data());
   }
