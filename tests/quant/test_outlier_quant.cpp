@@ -198,17 +198,24 @@ TEST(OutlierQuant, Fp16RangeAndBadConfigsRejected) {
 
 
 // Rows that stress the selection: few distinct values (score ties), zeros of both signs as
-// group bounds, constant groups, groups whose every entry is selected.
+// group bounds, constant groups, groups whose every entry is selected; and, for the float
+// filter of the SIMD path (geometry/outliers.hpp), continuous values, a large mean against a
+// small spread, and spreads whose reciprocal float cannot hold (those rows take its exact path).
 std::vector<float> tricky_row(int64_t D, int64_t gc, uint32_t seed) {
   std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<float> r(static_cast<std::size_t>(D));
-  const int mode = static_cast<int>(seed % 4);
+  const int mode = static_cast<int>(seed % 8);
   for (int64_t d = 0; d < D; ++d) {
     const int u = static_cast<int>(rng() % 7);
     switch (mode) {
       case 0: r[d] = static_cast<float>(u) - 3.f; break;  // many ties
       case 1: r[d] = (u % 2 ? -0.f : 0.f) + (u == 6 ? 2.5f : 0.f) - (u == 5 ? 1.f : 0.f); break;
       case 2: r[d] = (d / gc) % 2 == 0 ? 1.25f : std::ldexp(static_cast<float>(u) - 3.f, -3); break;
+      case 4: r[d] = normal(rng); break;
+      case 5: r[d] = 1000.f + 1e-3f * normal(rng); break;
+      case 6: r[d] = 1e-38f * normal(rng); break;  // 1 / sd above 1e30
+      case 7: r[d] = 1e36f * normal(rng); break;   // 1 / sd below 1e-30
       default: r[d] = static_cast<float>(static_cast<int>(rng() % 2001) - 1000) / 37.f; break;
     }
   }
@@ -222,11 +229,11 @@ bool same_bits(const float* a, const float* b, std::size_t n) {
 
 TEST(OutlierRow, PathsMatchOracleBitForBit) {
   int cases = 0;
-  for (int64_t D : {8, 16, 24, 64, 128, 136})
+  for (int64_t D : {8, 16, 24, 64, 128, 136, 512, 640})
     for (int64_t gc : {4, 8, 16, 32, 128})
-      for (int64_t k : {1, 2, 3, 8, 9, 16}) {
+      for (int64_t k : {1, 2, 3, 4, 8, 9, 16}) {
         if (D % gc != 0 || k > D) continue;
-        for (uint32_t seed = 0; seed < 8; ++seed) {
+        for (uint32_t seed = 0; seed < 16; ++seed) {
           const std::vector<float> r = tricky_row(D, gc, seed * 31u + static_cast<uint32_t>(D + k));
           const auto ref = kvq::reference::split_outliers(
               kvq::Axis::kToken, gc, k, kvq::KVView<const float>(r.data(), {1, 1, D}));

@@ -142,8 +142,10 @@ inline bool isolate_row_scalar(const float* r, int64_t D, int64_t gc, int64_t k,
 }
 
 #if KVQ_HAS_AVX2
-/// Largest k the AVX2 row path selects (one vectorized argmax per outlier).
+/// Largest k the AVX2 row path selects (one vectorized argmax per outlier beyond 4).
 inline constexpr int64_t kRowTopKAvx2 = 16;
+/// Largest head_dim of the AVX2 row path, in 64-channel words of selection bits.
+inline constexpr int64_t kRowMaskWords = 8;
 
 /// (p0 + p1) + (p2 + p3) of the four lanes.
 inline double combine4(__m256d s) {
@@ -237,25 +239,183 @@ inline __m256d lane_pd(__m256d v, int j) {
   }
 }
 
-/// AVX2 isolate_row: gc % 8 == 0, 1 <= k <= kRowTopKAvx2. The double statistics run four
-/// lanes wide with lane j holding partial j (channels d = j mod 4), so the sums are the scalar
-/// path's; four groups are summed side by side (independent chains) and their sqrt and
-/// reciprocal taken in one vector. The top k: for K = k <= 4, each lane keeps its K largest
-/// scores in registers while they are computed (a max/min insertion network), which gives the
-/// k-th largest score T and one pass collects the channels above T and the lowest ones at T;
-/// for larger k (K = 0), k vectorized argmax passes (lowest channel among equal scores); the non-selected ranges come from min/max over the row with the
-/// selected lanes blended to +-inf, in the pass that copies the row into dense.
+inline __m256d hmax4d(__m256d v) {
+  v = _mm256_max_pd(v, _mm256_permute2f128_pd(v, v, 1));
+  return _mm256_max_pd(v, _mm256_permute_pd(v, 5));
+}
+
+/// Bit d % 64 of m[d / 64].
+inline bool marked(const uint64_t* m, int64_t d) { return (m[d >> 6] >> (d & 63)) & 1; }
+
+/// The k marked channels of m[0..(D + 63) / 64) (exactly k bits set), ascending, into sel:
+/// a fixed k steps, each taking the lowest bit of the first non-empty word without a branch.
+__attribute__((always_inline)) inline void marked_channels(const uint64_t* m, int64_t D,
+                                                          int64_t k, int32_t* sel) {
+  uint64_t w[kRowMaskWords];
+  const int64_t nw = (D + 63) / 64;
+  for (int64_t i = 0; i < nw; ++i) w[i] = m[i];
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t pos = 0;
+    bool found = false;
+    for (int64_t i = 0; i < nw; ++i) {
+      const bool here = !found && w[i] != 0;
+      pos = here ? 64 * i + static_cast<int64_t>(__builtin_ctzll(w[i] | (uint64_t{1} << 63))) : pos;
+      found = found || here;
+    }
+    sel[j] = static_cast<int32_t>(pos);
+    w[pos >> 6] &= w[pos >> 6] - 1;
+  }
+}
+
+/// The tail of the row paths, given the selection as channels (sel, ascending) and as bits (m):
+/// vals, dense = r with the non-selected range of every group computed on the way (selected
+/// lanes masked out), the zero-sign rule, then the replacement of the selected entries.
+inline void finish_row_avx2(const float* r, int64_t D, int64_t gc, int64_t k, const uint64_t* m,
+                            const int32_t* sel, const double* mean, float* dense, float* vals,
+                            float* lo, float* hi) {
+  const int64_t nc = D / gc;
+  for (int64_t j = 0; j < k; ++j) vals[j] = r[sel[j]];
+  const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256 ninf8 = _mm256_sub_ps(_mm256_setzero_ps(), inf8);
+#if !KVQ_HAS_AVX512
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+#endif
+  for (int64_t b = 0; b < nc; ++b) {
+    __m256 l8 = inf8, h8 = ninf8;
+    int64_t d = b * gc;
+#if KVQ_HAS_AVX512
+    if (gc % 16 == 0) {  // 16 lanes, the selected ones masked out
+      __m512 l16 = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+      __m512 h16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      for (; d < (b + 1) * gc; d += 16) {
+        const __m512 v = _mm512_loadu_ps(r + d);
+        if (dense != r) _mm512_storeu_ps(dense + d, v);
+        const auto keep = static_cast<__mmask16>(~(m[d >> 6] >> (d & 63)));
+        l16 = _mm512_mask_min_ps(l16, keep, v, l16);
+        h16 = _mm512_mask_max_ps(h16, keep, v, h16);
+      }
+      l8 = _mm256_min_ps(_mm512_castps512_ps256(l16), _mm512_extractf32x8_ps(l16, 1));
+      h8 = _mm256_max_ps(_mm512_castps512_ps256(h16), _mm512_extractf32x8_ps(h16, 1));
+    }
+#endif
+    for (; d < (b + 1) * gc; d += 8) {
+      const __m256 v = _mm256_loadu_ps(r + d);
+      if (dense != r) _mm256_storeu_ps(dense + d, v);
+      const auto bits = static_cast<unsigned>(m[d >> 6] >> (d & 63)) & 0xffu;
+#if KVQ_HAS_AVX512
+      const auto keep = static_cast<__mmask8>(~bits);
+      l8 = _mm256_mask_min_ps(l8, keep, v, l8);
+      h8 = _mm256_mask_max_ps(h8, keep, v, h8);
+#else
+      const __m256 sel8 = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+          _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bit), lane_bit));
+      l8 = _mm256_min_ps(l8, _mm256_blendv_ps(v, inf8, sel8));
+      h8 = _mm256_max_ps(h8, _mm256_blendv_ps(v, ninf8, sel8));
+#endif
+    }
+    float l = _mm256_cvtss_f32(hmin8(l8)), h = _mm256_cvtss_f32(hmax8(h8));
+    // A zero bound takes the sign of the first zero in channel order (what std::min/max keep).
+    if (l == 0.f)
+      for (int64_t d = b * gc; d < (b + 1) * gc; ++d)
+        if (!marked(m, d) && r[d] == 0.f) {
+          l = r[d];
+          break;
+        }
+    if (h == 0.f)
+      for (int64_t d = b * gc; d < (b + 1) * gc; ++d)
+        if (!marked(m, d) && r[d] == 0.f) {
+          h = r[d];
+          break;
+        }
+    lo[b] = l;
+    hi[b] = h;
+  }
+  // Box of a channel by multiply-shift (exact for channels below 2^16).
+  const uint64_t magic = (uint64_t{1} << 32) / static_cast<uint64_t>(gc) + 1;
+  for (int64_t j = 0; j < k; ++j) {
+    const auto b = static_cast<int64_t>((static_cast<uint64_t>(sel[j]) * magic) >> 32);
+    dense[sel[j]] = dense_value(vals[j], lo[b], hi[b], mean[b]);
+  }
+  for (int64_t b = 0; b < nc; ++b)
+    if (!(lo[b] <= hi[b])) lo[b] = hi[b] = static_cast<float>(mean[b]);
+}
+
+/// T', the k-th largest entry (with multiplicity) of the lanes' descending top-K lists: k
+/// fixed steps, each taking the largest entry and removing one instance of it (the lowest lane
+/// holding it shifts its list up).
+template <int K>
+inline float kth_of_lists(__m256* top, int64_t k) {
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  __m256 t8 = hmax8(top[0]);
+  for (int64_t j = 1; j < k; ++j) {
+    const auto eq = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(top[0], t8, _CMP_EQ_OQ)));
+    const __m256 one = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+        _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(eq & (0u - eq))), lane_bit), lane_bit));
+    for (int t = 0; t + 1 < K; ++t) top[t] = _mm256_blendv_ps(top[t], top[t + 1], one);
+    top[K - 1] = _mm256_blendv_ps(top[K - 1], _mm256_set1_ps(-2.f), one);
+    t8 = hmax8(top[0]);
+  }
+  return _mm256_cvtss_f32(t8);
+}
+
+/// Marks in m[0..(D + 63) / 64) the channels with score >= theta, rounded down to float so no
+/// channel at or above theta is missed; returns how many. The scores were stored 8 lanes wide,
+/// the width they are loaded at here (the loads take their data from the store queue).
+inline int64_t mark_at_least(const float* score, int64_t D, double theta, uint64_t* m) {
+  auto th = static_cast<float>(theta);
+  if (static_cast<double>(th) > theta) th = std::nextafter(th, -std::numeric_limits<float>::infinity());
+  const __m256 th8 = _mm256_set1_ps(th);
+  int64_t cnt = 0;
+  for (int64_t w = 0; w < (D + 63) / 64; ++w) {
+    uint64_t g = 0;
+    for (int64_t i = 0; i < std::min<int64_t>(64, D - 64 * w); i += 8)
+      g |= static_cast<uint64_t>(static_cast<unsigned>(_mm256_movemask_ps(
+               _mm256_cmp_ps(_mm256_loadu_ps(score + 64 * w + i), th8, _CMP_GE_OQ))))
+           << i;
+    m[w] = g;
+    cnt += __builtin_popcountll(g);
+  }
+  return cnt;
+}
+
+/// AVX2 isolate_row: gc % 8 == 0, 1 <= k <= kRowTopKAvx2, D <= 64 * kRowMaskWords. The double
+/// statistics run four lanes wide with lane j holding partial j (channels d = j mod 4), so the
+/// sums are the scalar path's; four groups are summed side by side (independent chains) and
+/// their sqrt and reciprocal taken in one vector.
+///
+/// Selection for K = k <= 4 (a float filter, then the exact scores only where it cannot
+/// decide): every channel gets the float score s' = |x - float(mean)| * float(1 / sd), 3 float
+/// operations per 8 channels instead of the exact score's double conversion, subtraction,
+/// product and rounding. With u = 2^-24, s' and the exact score s of any channel satisfy
+/// s (1 - 5u) - E <= s' <= s (1 + 5u) + E, E = 2u max(max_g |mean_g| / sd_g, 1) (the float
+/// mean, reciprocal, difference and product each round once; the exact path rounds in double
+/// and once to float). Each lane keeps its K largest s' in registers (a max/min insertion
+/// network); T', the k-th largest s' (with multiplicity), is taken off those lists in k fixed
+/// steps. Then the exact k-th largest score T >= (T' - E) / (1 + 5u), so every channel with
+/// s >= T has s' >= theta = (T' - E)(1 - 2^-16) - E: the channels with s' >= theta hold the
+/// exact selection. When there are exactly k of them they are the selection (the common case,
+/// no exact score computed); otherwise (near ties, constant groups) their exact scores are
+/// computed and the k best taken in (score descending, channel ascending) order. A group whose
+/// 1 / sd is outside [1e-30, 1e30] (float cannot hold it, or x - mean could overflow) scores the
+/// whole row exactly. The selection is therefore the exact definition's, bit for bit.
+///
+/// For k > 4 (K = 0): exact scores and k vectorized argmax passes (lowest channel among equal
+/// scores). Both end in finish_row_avx2.
 template <int K>
 inline bool isolate_row_avx2_k(const float* r, int64_t D, int64_t gc, int64_t k, float* dense,
                                int32_t* sel, float* vals, float* lo, float* hi,
                                OutlierScratch& sc) {
-  const int64_t nc = D / gc;
-  __m256 top[K > 0 ? K : 1];  // per lane, its K largest scores (descending); -1 = none yet
+  const int64_t nc = D / gc, nw = (D + 63) / 64;
+  __m256 top[K > 0 ? K : 1];  // per lane, its K largest s' (descending); -1 = none yet
   for (auto& t : top) t = _mm256_set1_ps(-1.f);
   double* mean = grow(sc.mean, static_cast<std::size_t>(nc + 3));
+  double* isd = grow(sc.sd, static_cast<std::size_t>(nc + 3));
   float* score = grow(sc.score, static_cast<std::size_t>(D));
   const __m256d inv_n = _mm256_set1_pd(1.0 / static_cast<double>(gc));
   const __m256d sign_d = _mm256_set1_pd(-0.0), zero_d = _mm256_setzero_pd();
+  const __m256 sign_f = _mm256_set1_ps(-0.f);
+  __m256d emax = zero_d;   // max over groups of |mean| / sd
+  __m256d guard = zero_d;  // a group with 1 / sd outside [1e-30, 1e30] (0 excepted)
   for (int64_t b0 = 0; b0 < nc; b0 += 4) {
     const float* rb[4];  // groups past the end repeat the last one (results unused)
     for (int j = 0; j < 4; ++j) rb[j] = r + std::min<int64_t>(b0 + j, nc - 1) * gc;
@@ -279,93 +439,93 @@ inline bool isolate_row_avx2_k(const float* r, int64_t D, int64_t gc, int64_t k,
     const __m256d sd4 = _mm256_sqrt_pd(_mm256_mul_pd(combine4x4(q), inv_n));
     const __m256d isd4 = _mm256_and_pd(_mm256_cmp_pd(sd4, zero_d, _CMP_GT_OQ),
                                        _mm256_div_pd(_mm256_set1_pd(1.0), sd4));
+    _mm256_storeu_pd(isd + b0, isd4);
     const int nb = static_cast<int>(std::min<int64_t>(4, nc - b0));
-    for (int j = 0; j < nb; ++j) {
-      const __m256d ij = lane_pd(isd4, j);
-      float* out = score + (b0 + j) * gc;
-      for (int64_t i = 0; i < gc; i += 8) {
-        const __m256d d0 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i)), mj[j]);
-        const __m256d d1 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i + 4)), mj[j]);
-        const __m256 s8 =
-            _mm256_set_m128(_mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, d1), ij)),
-                            _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, d0), ij)));
-        _mm256_storeu_ps(out + i, s8);
-        if constexpr (K > 0) top_k_insert<K>(top, s8);
+    if constexpr (K > 0) {
+      emax = _mm256_max_pd(emax, _mm256_mul_pd(_mm256_andnot_pd(sign_d, m4), isd4));
+      guard = _mm256_or_pd(
+          guard, _mm256_and_pd(_mm256_cmp_pd(isd4, zero_d, _CMP_NEQ_OQ),
+                               _mm256_or_pd(_mm256_cmp_pd(isd4, _mm256_set1_pd(1e-30), _CMP_LT_OQ),
+                                            _mm256_cmp_pd(isd4, _mm256_set1_pd(1e30), _CMP_GT_OQ))));
+      const __m128 mf4 = _mm256_cvtpd_ps(m4), if4 = _mm256_cvtpd_ps(isd4);
+      const __m256 mf8 = _mm256_set_m128(mf4, mf4), if8 = _mm256_set_m128(if4, if4);
+      for (int j = 0; j < nb; ++j) {
+        const __m256 mfj = _mm256_permutevar_ps(mf8, _mm256_set1_epi32(j));
+        const __m256 ifj = _mm256_permutevar_ps(if8, _mm256_set1_epi32(j));
+        float* out = score + (b0 + j) * gc;
+        for (int64_t i = 0; i < gc; i += 8) {
+          const __m256 a = _mm256_sub_ps(_mm256_loadu_ps(rb[j] + i), mfj);
+          const __m256 s8 = _mm256_mul_ps(_mm256_andnot_ps(sign_f, a), ifj);
+          _mm256_storeu_ps(out + i, s8);
+          top_k_insert<K>(top, s8);
+        }
+      }
+    } else {
+      for (int j = 0; j < nb; ++j) {
+        const __m256d ij = lane_pd(isd4, j);
+        float* out = score + (b0 + j) * gc;
+        for (int64_t i = 0; i < gc; i += 8) {
+          const __m256d d0 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i)), mj[j]);
+          const __m256d d1 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i + 4)), mj[j]);
+          _mm256_storeu_ps(out + i, _mm256_set_m128(
+              _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, d1), ij)),
+              _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, d0), ij))));
+        }
       }
     }
   }
-  const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  uint64_t m[kRowMaskWords] = {};
   if constexpr (K > 0) {
-    finish_top_k<K>(top, score, D, k, sel);
-  } else {
-  // Top k: scores are finite and >= 0, so a taken channel is marked -1.
-  for (int64_t j = 0; j < k; ++j) {
-    __m256 a = _mm256_loadu_ps(score), c = a;
-    int64_t d = 8;
-    for (; d + 8 <= D; d += 16) {
-      a = _mm256_max_ps(a, _mm256_loadu_ps(score + d));
-      if (d + 16 <= D) c = _mm256_max_ps(c, _mm256_loadu_ps(score + d + 8));
-    }
-    const __m256 mx = hmax8(_mm256_max_ps(a, c));
-    int32_t at = 0;
-    for (d = 0; d < D; d += 8) {
-      const int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(score + d), mx, _CMP_EQ_OQ));
-      if (m != 0) {
-        at = static_cast<int32_t>(d) + __builtin_ctz(static_cast<unsigned>(m));
-        break;
+    const double E = 0x1p-23 * std::max(_mm256_cvtsd_f64(hmax4d(emax)), 1.0);
+    const double theta = (static_cast<double>(kth_of_lists<K>(top, k)) - E) * (1.0 - 0x1p-16) - E;
+    const int64_t cnt = mark_at_least(score, D, theta, m);
+    const bool whole = _mm256_movemask_pd(guard) != 0;
+    if (cnt != k || whole) {  // exact scores of the candidates (every channel when `whole`)
+      int32_t best[K];
+      float bs[K];
+      int64_t n = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        if (!whole && !marked(m, d)) continue;
+        const int64_t b = d / gc;
+        const auto sd_ = static_cast<float>(std::fabs(static_cast<double>(r[d]) - mean[b]) * isd[b]);
+        if (n == k && !(sd_ > bs[k - 1])) continue;  // ties: the earlier channel stays
+        int64_t j = n < k ? n++ : k - 1;
+        while (j > 0 && sd_ > bs[j - 1]) {
+          bs[j] = bs[j - 1];
+          best[j] = best[j - 1];
+          --j;
+        }
+        bs[j] = sd_;
+        best[j] = static_cast<int32_t>(d);
       }
+      std::fill(m, m + nw, uint64_t{0});
+      for (int64_t j = 0; j < k; ++j) m[best[j] >> 6] |= uint64_t{1} << (best[j] & 63);
     }
-    score[at] = -1.f;
-    int64_t i = j;  // insertion: sel stays ascending
-    while (i > 0 && sel[i - 1] > at) {
-      sel[i] = sel[i - 1];
-      --i;
-    }
-    sel[i] = at;
-  }
-  }
-  for (int64_t j = 0; j < k; ++j) vals[j] = r[sel[j]];
-  // One pass: copy into dense, and the range of each group without its selected lanes
-  // (a byte of lane bits per 8 channels, expanded to a lane mask).
-  uint8_t* bits = grow(sc.mark, static_cast<std::size_t>(D / 8));
-  std::fill(bits, bits + D / 8, uint8_t{0});
-  for (int64_t j = 0; j < k; ++j) bits[sel[j] >> 3] |= static_cast<uint8_t>(1u << (sel[j] & 7));
-  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  const __m256 ninf8 = _mm256_sub_ps(_mm256_setzero_ps(), inf8);
-  auto selected = [&](int64_t d) { return (bits[d >> 3] >> (d & 7)) & 1; };
-  for (int64_t b = 0; b < nc; ++b) {
-    __m256 l8 = inf8, h8 = ninf8;
-    for (int64_t d = b * gc; d < (b + 1) * gc; d += 8) {
-      const __m256 v = _mm256_loadu_ps(r + d);
-      if (dense != r) _mm256_storeu_ps(dense + d, v);
-      const __m256 m = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
-          _mm256_and_si256(_mm256_set1_epi32(bits[d >> 3]), lane_bit), lane_bit));
-      l8 = _mm256_min_ps(l8, _mm256_blendv_ps(v, inf8, m));
-      h8 = _mm256_max_ps(h8, _mm256_blendv_ps(v, ninf8, m));
-    }
-    float l = _mm256_cvtss_f32(hmin8(l8)), h = _mm256_cvtss_f32(hmax8(h8));
-    // A zero bound takes the sign of the first zero in channel order (what std::min/max keep).
-    if (l == 0.f)
-      for (int64_t d = b * gc; d < (b + 1) * gc; ++d)
-        if (!selected(d) && r[d] == 0.f) {
-          l = r[d];
+    marked_channels(m, D, k, sel);
+  } else {
+    // Top k: scores are finite and >= 0, so a taken channel is marked -1.
+    for (int64_t j = 0; j < k; ++j) {
+      __m256 a = _mm256_loadu_ps(score), c = a;
+      int64_t d = 8;
+      for (; d + 8 <= D; d += 16) {
+        a = _mm256_max_ps(a, _mm256_loadu_ps(score + d));
+        if (d + 16 <= D) c = _mm256_max_ps(c, _mm256_loadu_ps(score + d + 8));
+      }
+      const __m256 mx = hmax8(_mm256_max_ps(a, c));
+      int32_t at = 0;
+      for (d = 0; d < D; d += 8) {
+        const int mk = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(score + d), mx, _CMP_EQ_OQ));
+        if (mk != 0) {
+          at = static_cast<int32_t>(d) + __builtin_ctz(static_cast<unsigned>(mk));
           break;
         }
-    if (h == 0.f)
-      for (int64_t d = b * gc; d < (b + 1) * gc; ++d)
-        if (!selected(d) && r[d] == 0.f) {
-          h = r[d];
-          break;
-        }
-    lo[b] = l;
-    hi[b] = h;
+      }
+      score[at] = -1.f;
+      m[at >> 6] |= uint64_t{1} << (at & 63);
+    }
+    marked_channels(m, D, k, sel);
   }
-  for (int64_t j = 0; j < k; ++j) {
-    const int64_t b = sel[j] / gc;
-    dense[sel[j]] = dense_value(vals[j], lo[b], hi[b], mean[b]);
-  }
-  for (int64_t b = 0; b < nc; ++b)
-    if (!(lo[b] <= hi[b])) lo[b] = hi[b] = static_cast<float>(mean[b]);
+  finish_row_avx2(r, D, gc, k, m, sel, mean, dense, vals, lo, hi);
   return true;
 }
 
@@ -505,7 +665,7 @@ inline bool isolate_row_avx2(const float* r, int64_t D, int64_t gc, int64_t k, f
 inline bool isolate_row(const float* r, int64_t D, int64_t gc, int64_t k, float* dense,
                         int32_t* sel, float* vals, float* lo, float* hi, OutlierScratch& sc) {
 #if KVQ_HAS_AVX2
-  if (gc % 8 == 0 && k >= 1 && k <= detail::kRowTopKAvx2)
+  if (gc % 8 == 0 && k >= 1 && k <= detail::kRowTopKAvx2 && D <= 64 * detail::kRowMaskWords)
     return detail::isolate_row_avx2(r, D, gc, k, dense, sel, vals, lo, hi, sc);
 #endif
   return detail::isolate_row_scalar(r, D, gc, k, dense, sel, vals, lo, hi, sc);
