@@ -24,9 +24,11 @@
 /// zero bound.
 ///
 /// Token-axis boxes lie inside one vector, so the token axis is isolated row by row
-/// (isolate_row: an AVX2 path when KVQ_HAS_AVX2 and the group is a multiple of 8 channels, a
-/// portable scalar path otherwise, identical results); quant/outlier_quant.hpp fuses it with
-/// the dense quantizer. reference/outlier_ref.hpp is the scalar oracle.
+/// (isolate_row: an AVX2 path when KVQ_HAS_AVX2, the group is a multiple of 8 channels and
+/// head_dim <= 512, a portable scalar path otherwise, identical results; for k <= 4 the AVX2
+/// path selects with a float filter of proven error bounds and computes exact scores only near
+/// ties, see row_select_avx2); quant/outlier_quant.hpp fuses it with the dense quantizer.
+/// reference/outlier_ref.hpp is the scalar oracle.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -47,6 +49,7 @@ struct OutlierScratch {
   std::vector<double> mean, sd;   // [boxes]
   std::vector<double> part;       // [boxes, 4] partial sums
   std::vector<float> lo, hi;      // [boxes]
+  std::vector<float> fmean, fisd; // float mean and 1 / sd (row paths)
   std::vector<float> score;       // [head_dim]
   std::vector<int32_t> idx;       // [head_dim]
   std::vector<uint8_t> mark;      // [head_dim]
@@ -147,11 +150,6 @@ inline constexpr int64_t kRowTopKAvx2 = 16;
 /// Largest head_dim of the AVX2 row path, in 64-channel words of selection bits.
 inline constexpr int64_t kRowMaskWords = 8;
 
-/// (p0 + p1) + (p2 + p3) of the four lanes.
-inline double combine4(__m256d s) {
-  const __m128d a = _mm_hadd_pd(_mm256_castpd256_pd128(s), _mm256_extractf128_pd(s, 1));
-  return _mm_cvtsd_f64(a) + _mm_cvtsd_f64(_mm_unpackhi_pd(a, a));
-}
 inline __m256 hmax8(__m256 m) {
   m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
   m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(1, 0, 3, 2)));
@@ -378,13 +376,73 @@ inline int64_t mark_at_least(const float* score, int64_t D, double theta, uint64
   return cnt;
 }
 
-/// AVX2 isolate_row: gc % 8 == 0, 1 <= k <= kRowTopKAvx2, D <= 64 * kRowMaskWords. The double
-/// statistics run four lanes wide with lane j holding partial j (channels d = j mod 4), so the
-/// sums are the scalar path's; four groups are summed side by side (independent chains) and
-/// their sqrt and reciprocal taken in one vector.
+/// The statistics of one row for the AVX2 row paths (arrays of nc + 3 entries): the box mean
+/// and 1 / sd of the definition (double sums four lanes wide, lane j holding partial j, i.e.
+/// channels d = j mod 4, so the sums are the scalar path's; four groups side by side, their
+/// sqrt and reciprocal in one vector), their float roundings, and for the float filter the
+/// largest |mean| / sd and whether some 1 / sd lies outside [1e-30, 1e30] (0 excepted).
+struct RowStats {
+  double* mean;
+  double* isd;
+  float* fmean;
+  float* fisd;
+  double emax = 0.0;
+  bool guard = false;
+};
+
+/// Fills st for row r[0..D) (gc % 8 == 0); false when r holds NaN or inf.
+inline bool row_stats_avx2(const float* r, int64_t D, int64_t gc, RowStats& st) {
+  const int64_t nc = D / gc;
+  const __m256d inv_n = _mm256_set1_pd(1.0 / static_cast<double>(gc));
+  const __m256d sign_d = _mm256_set1_pd(-0.0), zero_d = _mm256_setzero_pd();
+  __m256d emax = zero_d, guard = zero_d;
+  for (int64_t b0 = 0; b0 < nc; b0 += 4) {
+    const float* rb[4];  // groups past the end repeat the last one (results unused)
+    for (int j = 0; j < 4; ++j) rb[j] = r + std::min<int64_t>(b0 + j, nc - 1) * gc;
+    __m256d s[4] = {zero_d, zero_d, zero_d, zero_d};
+    for (int64_t i = 0; i < gc; i += 4)
+      for (int j = 0; j < 4; ++j) s[j] = _mm256_add_pd(s[j], _mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i)));
+    const __m256d m4 = _mm256_mul_pd(combine4x4(s), inv_n);
+    // A NaN or inf element makes its group's sum (hence mean) non-finite, and only then.
+    const __m256d fin = _mm256_cmp_pd(_mm256_andnot_pd(sign_d, m4),
+                                      _mm256_set1_pd(std::numeric_limits<double>::infinity()),
+                                      _CMP_LT_OQ);
+    if (_mm256_movemask_pd(fin) != 0xf) return false;
+    __m256d mj[4], q[4] = {zero_d, zero_d, zero_d, zero_d};
+    for (int j = 0; j < 4; ++j) mj[j] = lane_pd(m4, j);
+    for (int64_t i = 0; i < gc; i += 4)
+      for (int j = 0; j < 4; ++j) {
+        const __m256d dv = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i)), mj[j]);
+        q[j] = _mm256_fmadd_pd(dv, dv, q[j]);
+      }
+    const __m256d sd4 = _mm256_sqrt_pd(_mm256_mul_pd(combine4x4(q), inv_n));
+    const __m256d isd4 = _mm256_and_pd(_mm256_cmp_pd(sd4, zero_d, _CMP_GT_OQ),
+                                       _mm256_div_pd(_mm256_set1_pd(1.0), sd4));
+    _mm256_storeu_pd(st.mean + b0, m4);
+    _mm256_storeu_pd(st.isd + b0, isd4);
+    _mm_storeu_ps(st.fmean + b0, _mm256_cvtpd_ps(m4));
+    _mm_storeu_ps(st.fisd + b0, _mm256_cvtpd_ps(isd4));
+    emax = _mm256_max_pd(emax, _mm256_mul_pd(_mm256_andnot_pd(sign_d, m4), isd4));
+    guard = _mm256_or_pd(
+        guard, _mm256_and_pd(_mm256_cmp_pd(isd4, zero_d, _CMP_NEQ_OQ),
+                             _mm256_or_pd(_mm256_cmp_pd(isd4, _mm256_set1_pd(1e-30), _CMP_LT_OQ),
+                                          _mm256_cmp_pd(isd4, _mm256_set1_pd(1e30), _CMP_GT_OQ))));
+  }
+  st.emax = _mm256_cvtsd_f64(hmax4d(emax));  // lanes past nc repeat the last group
+  st.guard = _mm256_movemask_pd(guard) != 0;
+  return true;
+}
+
+/// RowStats over the scratch arrays.
+inline RowStats row_stats_scratch(OutlierScratch& sc, int64_t nc) {
+  const auto n = static_cast<std::size_t>(nc + 3);
+  return RowStats{grow(sc.mean, n), grow(sc.sd, n), grow(sc.fmean, n), grow(sc.fisd, n)};
+}
+
+/// The selection of AVX2 isolate_row for k = K <= 4, given the row's statistics (row_stats_avx2),
+/// and the outputs (finish_row_avx2). score: [D] scratch.
 ///
-/// Selection for K = k <= 4 (a float filter, then the exact scores only where it cannot
-/// decide): every channel gets the float score s' = |x - float(mean)| * float(1 / sd), 3 float
+/// A float filter, then the exact scores only where it cannot decide. Every channel gets the float score s' = |x - float(mean)| * float(1 / sd), 3 float
 /// operations per 8 channels instead of the exact score's double conversion, subtraction,
 /// product and rounding. With u = 2^-24, s' and the exact score s of any channel satisfy
 /// s (1 - 5u) - E <= s' <= s (1 + 5u) + E, E = 2u max(max_g |mean_g| / sd_g, 1) (the float
@@ -398,134 +456,102 @@ inline int64_t mark_at_least(const float* score, int64_t D, double theta, uint64
 /// computed and the k best taken in (score descending, channel ascending) order. A group whose
 /// 1 / sd is outside [1e-30, 1e30] (float cannot hold it, or x - mean could overflow) scores the
 /// whole row exactly. The selection is therefore the exact definition's, bit for bit.
-///
-/// For k > 4 (K = 0): exact scores and k vectorized argmax passes (lowest channel among equal
-/// scores). Both end in finish_row_avx2.
 template <int K>
-inline bool isolate_row_avx2_k(const float* r, int64_t D, int64_t gc, int64_t k, float* dense,
-                               int32_t* sel, float* vals, float* lo, float* hi,
-                               OutlierScratch& sc) {
+inline void row_select_avx2(const float* r, int64_t D, int64_t gc, int64_t k, const RowStats& st,
+                            float* score, float* dense, int32_t* sel, float* vals, float* lo,
+                            float* hi) {
   const int64_t nc = D / gc, nw = (D + 63) / 64;
-  __m256 top[K > 0 ? K : 1];  // per lane, its K largest s' (descending); -1 = none yet
+  __m256 top[K];  // per lane, its K largest s' (descending); -1 = none yet
   for (auto& t : top) t = _mm256_set1_ps(-1.f);
-  double* mean = grow(sc.mean, static_cast<std::size_t>(nc + 3));
-  double* isd = grow(sc.sd, static_cast<std::size_t>(nc + 3));
-  float* score = grow(sc.score, static_cast<std::size_t>(D));
-  const __m256d inv_n = _mm256_set1_pd(1.0 / static_cast<double>(gc));
-  const __m256d sign_d = _mm256_set1_pd(-0.0), zero_d = _mm256_setzero_pd();
   const __m256 sign_f = _mm256_set1_ps(-0.f);
-  __m256d emax = zero_d;   // max over groups of |mean| / sd
-  __m256d guard = zero_d;  // a group with 1 / sd outside [1e-30, 1e30] (0 excepted)
-  for (int64_t b0 = 0; b0 < nc; b0 += 4) {
-    const float* rb[4];  // groups past the end repeat the last one (results unused)
-    for (int j = 0; j < 4; ++j) rb[j] = r + std::min<int64_t>(b0 + j, nc - 1) * gc;
-    __m256d s[4] = {zero_d, zero_d, zero_d, zero_d};
-    for (int64_t i = 0; i < gc; i += 4)
-      for (int j = 0; j < 4; ++j) s[j] = _mm256_add_pd(s[j], _mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i)));
-    const __m256d m4 = _mm256_mul_pd(combine4x4(s), inv_n);
-    // A NaN or inf element makes its group's sum (hence mean) non-finite, and only then.
-    const __m256d fin = _mm256_cmp_pd(_mm256_andnot_pd(sign_d, m4),
-                                      _mm256_set1_pd(std::numeric_limits<double>::infinity()),
-                                      _CMP_LT_OQ);
-    if (_mm256_movemask_pd(fin) != 0xf) return false;
-    _mm256_storeu_pd(mean + b0, m4);
-    __m256d mj[4], q[4] = {zero_d, zero_d, zero_d, zero_d};
-    for (int j = 0; j < 4; ++j) mj[j] = lane_pd(m4, j);
-    for (int64_t i = 0; i < gc; i += 4)
-      for (int j = 0; j < 4; ++j) {
-        const __m256d dv = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i)), mj[j]);
-        q[j] = _mm256_fmadd_pd(dv, dv, q[j]);
+  for (int64_t b = 0; b < nc; ++b) {
+    const __m256 mf = _mm256_broadcast_ss(st.fmean + b), fi = _mm256_broadcast_ss(st.fisd + b);
+    for (int64_t d = b * gc; d < (b + 1) * gc; d += 8) {
+      const __m256 s8 = _mm256_mul_ps(_mm256_andnot_ps(sign_f, _mm256_sub_ps(_mm256_loadu_ps(r + d), mf)), fi);
+      _mm256_storeu_ps(score + d, s8);
+      top_k_insert<K>(top, s8);
+    }
+  }
+  uint64_t m[kRowMaskWords];
+  const double E = 0x1p-23 * std::max(st.emax, 1.0);
+  const double theta = (static_cast<double>(kth_of_lists<K>(top, k)) - E) * (1.0 - 0x1p-16) - E;
+  const int64_t cnt = mark_at_least(score, D, theta, m);
+  if (cnt != k || st.guard) {  // exact scores of the candidates (every channel when guard)
+    int32_t best[K];
+    float bs[K];
+    int64_t n = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      if (!st.guard && !marked(m, d)) continue;
+      const int64_t b = d / gc;
+      const auto sd_ = static_cast<float>(std::fabs(static_cast<double>(r[d]) - st.mean[b]) * st.isd[b]);
+      if (n == k && !(sd_ > bs[k - 1])) continue;  // ties: the earlier channel stays
+      int64_t j = n < k ? n++ : k - 1;
+      while (j > 0 && sd_ > bs[j - 1]) {
+        bs[j] = bs[j - 1];
+        best[j] = best[j - 1];
+        --j;
       }
-    const __m256d sd4 = _mm256_sqrt_pd(_mm256_mul_pd(combine4x4(q), inv_n));
-    const __m256d isd4 = _mm256_and_pd(_mm256_cmp_pd(sd4, zero_d, _CMP_GT_OQ),
-                                       _mm256_div_pd(_mm256_set1_pd(1.0), sd4));
-    _mm256_storeu_pd(isd + b0, isd4);
-    const int nb = static_cast<int>(std::min<int64_t>(4, nc - b0));
-    if constexpr (K > 0) {
-      emax = _mm256_max_pd(emax, _mm256_mul_pd(_mm256_andnot_pd(sign_d, m4), isd4));
-      guard = _mm256_or_pd(
-          guard, _mm256_and_pd(_mm256_cmp_pd(isd4, zero_d, _CMP_NEQ_OQ),
-                               _mm256_or_pd(_mm256_cmp_pd(isd4, _mm256_set1_pd(1e-30), _CMP_LT_OQ),
-                                            _mm256_cmp_pd(isd4, _mm256_set1_pd(1e30), _CMP_GT_OQ))));
-      const __m128 mf4 = _mm256_cvtpd_ps(m4), if4 = _mm256_cvtpd_ps(isd4);
-      const __m256 mf8 = _mm256_set_m128(mf4, mf4), if8 = _mm256_set_m128(if4, if4);
-      for (int j = 0; j < nb; ++j) {
-        const __m256 mfj = _mm256_permutevar_ps(mf8, _mm256_set1_epi32(j));
-        const __m256 ifj = _mm256_permutevar_ps(if8, _mm256_set1_epi32(j));
-        float* out = score + (b0 + j) * gc;
-        for (int64_t i = 0; i < gc; i += 8) {
-          const __m256 a = _mm256_sub_ps(_mm256_loadu_ps(rb[j] + i), mfj);
-          const __m256 s8 = _mm256_mul_ps(_mm256_andnot_ps(sign_f, a), ifj);
-          _mm256_storeu_ps(out + i, s8);
-          top_k_insert<K>(top, s8);
-        }
-      }
-    } else {
-      for (int j = 0; j < nb; ++j) {
-        const __m256d ij = lane_pd(isd4, j);
-        float* out = score + (b0 + j) * gc;
-        for (int64_t i = 0; i < gc; i += 8) {
-          const __m256d d0 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i)), mj[j]);
-          const __m256d d1 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(rb[j] + i + 4)), mj[j]);
-          _mm256_storeu_ps(out + i, _mm256_set_m128(
-              _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, d1), ij)),
-              _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, d0), ij))));
-        }
-      }
+      bs[j] = sd_;
+      best[j] = static_cast<int32_t>(d);
+    }
+    std::fill(m, m + nw, uint64_t{0});
+    for (int64_t j = 0; j < k; ++j) m[best[j] >> 6] |= uint64_t{1} << (best[j] & 63);
+  }
+  marked_channels(m, D, k, sel);
+  finish_row_avx2(r, D, gc, k, m, sel, st.mean, dense, vals, lo, hi);
+}
+
+/// AVX2 isolate_row: gc % 8 == 0, 1 <= k <= kRowTopKAvx2, D <= 64 * kRowMaskWords:
+/// row_stats_avx2, then for k <= 4 row_select_avx2; for k > 4 exact scores and k vectorized
+/// argmax passes (lowest channel among equal scores), then finish_row_avx2.
+inline bool isolate_row_avx2(const float* r, int64_t D, int64_t gc, int64_t k, float* dense,
+                             int32_t* sel, float* vals, float* lo, float* hi,
+                             OutlierScratch& sc) {
+  const int64_t nc = D / gc;
+  RowStats st = row_stats_scratch(sc, nc);
+  if (!row_stats_avx2(r, D, gc, st)) return false;
+  float* score = grow(sc.score, static_cast<std::size_t>(D));
+  switch (k) {
+    case 1: row_select_avx2<1>(r, D, gc, k, st, score, dense, sel, vals, lo, hi); return true;
+    case 2: row_select_avx2<2>(r, D, gc, k, st, score, dense, sel, vals, lo, hi); return true;
+    case 3: row_select_avx2<3>(r, D, gc, k, st, score, dense, sel, vals, lo, hi); return true;
+    case 4: row_select_avx2<4>(r, D, gc, k, st, score, dense, sel, vals, lo, hi); return true;
+    default: break;
+  }
+  const __m256d sign_d = _mm256_set1_pd(-0.0);
+  for (int64_t b = 0; b < nc; ++b) {
+    const __m256d mb = _mm256_set1_pd(st.mean[b]), ib = _mm256_set1_pd(st.isd[b]);
+    for (int64_t d = b * gc; d < (b + 1) * gc; d += 8) {
+      const __m256d d0 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(r + d)), mb);
+      const __m256d d1 = _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(r + d + 4)), mb);
+      _mm256_storeu_ps(score + d, _mm256_set_m128(
+          _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, d1), ib)),
+          _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, d0), ib))));
     }
   }
   uint64_t m[kRowMaskWords] = {};
-  if constexpr (K > 0) {
-    const double E = 0x1p-23 * std::max(_mm256_cvtsd_f64(hmax4d(emax)), 1.0);
-    const double theta = (static_cast<double>(kth_of_lists<K>(top, k)) - E) * (1.0 - 0x1p-16) - E;
-    const int64_t cnt = mark_at_least(score, D, theta, m);
-    const bool whole = _mm256_movemask_pd(guard) != 0;
-    if (cnt != k || whole) {  // exact scores of the candidates (every channel when `whole`)
-      int32_t best[K];
-      float bs[K];
-      int64_t n = 0;
-      for (int64_t d = 0; d < D; ++d) {
-        if (!whole && !marked(m, d)) continue;
-        const int64_t b = d / gc;
-        const auto sd_ = static_cast<float>(std::fabs(static_cast<double>(r[d]) - mean[b]) * isd[b]);
-        if (n == k && !(sd_ > bs[k - 1])) continue;  // ties: the earlier channel stays
-        int64_t j = n < k ? n++ : k - 1;
-        while (j > 0 && sd_ > bs[j - 1]) {
-          bs[j] = bs[j - 1];
-          best[j] = best[j - 1];
-          --j;
-        }
-        bs[j] = sd_;
-        best[j] = static_cast<int32_t>(d);
-      }
-      std::fill(m, m + nw, uint64_t{0});
-      for (int64_t j = 0; j < k; ++j) m[best[j] >> 6] |= uint64_t{1} << (best[j] & 63);
+  // Top k: scores are finite and >= 0, so a taken channel is marked -1.
+  for (int64_t j = 0; j < k; ++j) {
+    __m256 a = _mm256_loadu_ps(score), c = a;
+    int64_t d = 8;
+    for (; d + 8 <= D; d += 16) {
+      a = _mm256_max_ps(a, _mm256_loadu_ps(score + d));
+      if (d + 16 <= D) c = _mm256_max_ps(c, _mm256_loadu_ps(score + d + 8));
     }
-    marked_channels(m, D, k, sel);
-  } else {
-    // Top k: scores are finite and >= 0, so a taken channel is marked -1.
-    for (int64_t j = 0; j < k; ++j) {
-      __m256 a = _mm256_loadu_ps(score), c = a;
-      int64_t d = 8;
-      for (; d + 8 <= D; d += 16) {
-        a = _mm256_max_ps(a, _mm256_loadu_ps(score + d));
-        if (d + 16 <= D) c = _mm256_max_ps(c, _mm256_loadu_ps(score + d + 8));
+    const __m256 mx = hmax8(_mm256_max_ps(a, c));
+    int32_t at = 0;
+    for (d = 0; d < D; d += 8) {
+      const int mk = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(score + d), mx, _CMP_EQ_OQ));
+      if (mk != 0) {
+        at = static_cast<int32_t>(d) + __builtin_ctz(static_cast<unsigned>(mk));
+        break;
       }
-      const __m256 mx = hmax8(_mm256_max_ps(a, c));
-      int32_t at = 0;
-      for (d = 0; d < D; d += 8) {
-        const int mk = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(score + d), mx, _CMP_EQ_OQ));
-        if (mk != 0) {
-          at = static_cast<int32_t>(d) + __builtin_ctz(static_cast<unsigned>(mk));
-          break;
-        }
-      }
-      score[at] = -1.f;
-      m[at >> 6] |= uint64_t{1} << (at & 63);
     }
-    marked_channels(m, D, k, sel);
+    score[at] = -1.f;
+    m[at >> 6] |= uint64_t{1} << (at & 63);
   }
-  finish_row_avx2(r, D, gc, k, m, sel, mean, dense, vals, lo, hi);
+  marked_channels(m, D, k, sel);
+  finish_row_avx2(r, D, gc, k, m, sel, st.mean, dense, vals, lo, hi);
   return true;
 }
 
@@ -641,17 +667,6 @@ inline void isolate_channel_avx2(const Shape& s, const GroupBox& box, float* x, 
     }
 }
 
-inline bool isolate_row_avx2(const float* r, int64_t D, int64_t gc, int64_t k, float* dense,
-                             int32_t* sel, float* vals, float* lo, float* hi,
-                             OutlierScratch& sc) {
-  switch (k) {
-    case 1: return isolate_row_avx2_k<1>(r, D, gc, k, dense, sel, vals, lo, hi, sc);
-    case 2: return isolate_row_avx2_k<2>(r, D, gc, k, dense, sel, vals, lo, hi, sc);
-    case 3: return isolate_row_avx2_k<3>(r, D, gc, k, dense, sel, vals, lo, hi, sc);
-    case 4: return isolate_row_avx2_k<4>(r, D, gc, k, dense, sel, vals, lo, hi, sc);
-    default: return isolate_row_avx2_k<0>(r, D, gc, k, dense, sel, vals, lo, hi, sc);
-  }
-}
 #endif
 
 }  // namespace detail
