@@ -4,6 +4,7 @@
 // token (group 32), f32 input, head_dim 128 over the shared 64 MiB input; and, to show the
 // other paths are not pathological, int3/out1% per channel (group 32 tokens: the slab path) and
 // nuq3/out1% per token. Bytes processed = f32 bytes read (quantize) or written (dequantize).
+// BM_QuantizeInCache/...: the same quantizers on 64 vectors (in L1), for kernel A/B.
 #include <benchmark/benchmark.h>
 
 #include <string>
@@ -55,6 +56,22 @@ void BM_QuantizeOutlierCfg(benchmark::State& state, kvq::QuantConfig cfg) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * s.numel() * 4);
 }
 
+// The same quantizer on 64 vectors (32 KiB of f32, in L1 after the first pass): the per-vector
+// compute cost without the memory traffic, for A/B of kernel changes on a host whose memory
+// bandwidth moves between runs.
+void BM_QuantizeInCacheCfg(benchmark::State& state, kvq::QuantConfig cfg) {
+  const kvq::Shape s{64 / kvq_bench::kHeads, kvq_bench::kHeads, kvq_bench::kHeadDim};
+  const auto x = kvq_bench::make_input(static_cast<size_t>(s.numel()));
+  kvq::KVView<const float> view(x.data(), s);
+  kvq::QTensor q;
+  kvq::quantize(cfg, view, q);
+  for (auto _ : state) {
+    kvq::quantize(cfg, view, q);
+    benchmark::DoNotOptimize(q.codes.data());
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * s.numel() * 4);
+}
+
 void BM_DequantizeOutlierCfg(benchmark::State& state, kvq::QuantConfig cfg) {
   const kvq::Shape s = outlier_bench_shape();
   const auto f = kvq_bench::make_input(static_cast<size_t>(s.numel()));
@@ -91,6 +108,9 @@ int register_outliers() {
     benchmark::RegisterBenchmark((std::string("BM_Quantize/") + name + "/f32").c_str(),
                                  BM_QuantizeOutlierCfg, cfg)
         ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark((std::string("BM_QuantizeInCache/") + name + "/f32").c_str(),
+                                 BM_QuantizeInCacheCfg, cfg)
+        ->Unit(benchmark::kMicrosecond);
     benchmark::RegisterBenchmark((std::string("BM_DequantizeKVQuant/") + name + "/f32").c_str(),
                                  BM_DequantizeOutlierCfg, cfg)
         ->Unit(benchmark::kMillisecond);

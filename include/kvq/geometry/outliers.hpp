@@ -476,12 +476,15 @@ inline void row_select_avx2(const float* r, int64_t D, int64_t gc, int64_t k, co
   const double E = 0x1p-23 * std::max(st.emax, 1.0);
   const double theta = (static_cast<double>(kth_of_lists<K>(top, k)) - E) * (1.0 - 0x1p-16) - E;
   const int64_t cnt = mark_at_least(score, D, theta, m);
-  if (cnt != k || st.guard) {  // exact scores of the candidates (every channel when guard)
+  if (cnt != k || st.guard) {
+    // Exact scores of the candidates; of every channel when the bounds do not apply, or if
+    // fewer than k channels passed (the bounds exclude it; this keeps best[] filled anyway).
+    const bool every = st.guard || cnt < k;
     int32_t best[K];
     float bs[K];
     int64_t n = 0;
     for (int64_t d = 0; d < D; ++d) {
-      if (!st.guard && !marked(m, d)) continue;
+      if (!every && !marked(m, d)) continue;
       const int64_t b = d / gc;
       const auto sd_ = static_cast<float>(std::fabs(static_cast<double>(r[d]) - st.mean[b]) * st.isd[b]);
       if (n == k && !(sd_ > bs[k - 1])) continue;  // ties: the earlier channel stays
