@@ -43,24 +43,9 @@ kvq::QuantConfig int3_out1_cfg() {
   return c;
 }
 
-void BM_QuantizeOutlierCfg(benchmark::State& state, kvq::QuantConfig cfg) {
-  const kvq::Shape s = outlier_bench_shape();
-  const auto x = kvq_bench::make_input(static_cast<size_t>(s.numel()));
-  kvq::KVView<const float> view(x.data(), s);
-  kvq::QTensor q;
-  kvq::quantize(cfg, view, q);  // warm: buffers and workspace grown
-  for (auto _ : state) {
-    kvq::quantize(cfg, view, q);
-    benchmark::DoNotOptimize(q.codes.data());
-  }
-  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * s.numel() * 4);
-}
-
-// The same quantizer on 64 vectors (32 KiB of f32, in L1 after the first pass): the per-vector
-// compute cost without the memory traffic, for A/B of kernel changes on a host whose memory
-// bandwidth moves between runs.
-void BM_QuantizeInCacheCfg(benchmark::State& state, kvq::QuantConfig cfg) {
-  const kvq::Shape s{64 / kvq_bench::kHeads, kvq_bench::kHeads, kvq_bench::kHeadDim};
+// quantize(cfg) of kvq_bench's input in shape s, warm (buffers and workspace grown) before the
+// timed loop.
+void quantize_loop(benchmark::State& state, const kvq::QuantConfig& cfg, const kvq::Shape& s) {
   const auto x = kvq_bench::make_input(static_cast<size_t>(s.numel()));
   kvq::KVView<const float> view(x.data(), s);
   kvq::QTensor q;
@@ -70,6 +55,17 @@ void BM_QuantizeInCacheCfg(benchmark::State& state, kvq::QuantConfig cfg) {
     benchmark::DoNotOptimize(q.codes.data());
   }
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * s.numel() * 4);
+}
+
+void BM_QuantizeOutlierCfg(benchmark::State& state, kvq::QuantConfig cfg) {
+  quantize_loop(state, cfg, outlier_bench_shape());
+}
+
+// The same quantizer on 64 vectors (32 KiB of f32, in L1 after the first pass): the per-vector
+// compute cost without the memory traffic, for A/B of kernel changes on a host whose memory
+// bandwidth moves between runs.
+void BM_QuantizeInCacheCfg(benchmark::State& state, kvq::QuantConfig cfg) {
+  quantize_loop(state, cfg, kvq::Shape{64 / kvq_bench::kHeads, kvq_bench::kHeads, kvq_bench::kHeadDim});
 }
 
 void BM_DequantizeOutlierCfg(benchmark::State& state, kvq::QuantConfig cfg) {

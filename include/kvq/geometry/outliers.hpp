@@ -314,15 +314,15 @@ inline void finish_row_avx2(const float* r, int64_t D, int64_t gc, int64_t k, co
     float l = _mm256_cvtss_f32(hmin8(l8)), h = _mm256_cvtss_f32(hmax8(h8));
     // A zero bound takes the sign of the first zero in channel order (what std::min/max keep).
     if (l == 0.f)
-      for (int64_t d = b * gc; d < (b + 1) * gc; ++d)
-        if (!marked(m, d) && r[d] == 0.f) {
-          l = r[d];
+      for (int64_t e = b * gc; e < (b + 1) * gc; ++e)
+        if (!marked(m, e) && r[e] == 0.f) {
+          l = r[e];
           break;
         }
     if (h == 0.f)
-      for (int64_t d = b * gc; d < (b + 1) * gc; ++d)
-        if (!marked(m, d) && r[d] == 0.f) {
-          h = r[d];
+      for (int64_t e = b * gc; e < (b + 1) * gc; ++e)
+        if (!marked(m, e) && r[e] == 0.f) {
+          h = r[e];
           break;
         }
     lo[b] = l;
@@ -346,7 +346,8 @@ inline float kth_of_lists(__m256* top, int64_t k) {
   const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   __m256 t8 = hmax8(top[0]);
   for (int64_t j = 1; j < k; ++j) {
-    const auto eq = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(top[0], t8, _CMP_EQ_OQ)));
+    const auto eq =
+        static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(top[0], t8, _CMP_EQ_OQ)));
     const __m256 one = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
         _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(eq & (0u - eq))), lane_bit), lane_bit));
     for (int t = 0; t + 1 < K; ++t) top[t] = _mm256_blendv_ps(top[t], top[t + 1], one);
@@ -361,7 +362,8 @@ inline float kth_of_lists(__m256* top, int64_t k) {
 /// the width they are loaded at here (the loads take their data from the store queue).
 inline int64_t mark_at_least(const float* score, int64_t D, double theta, uint64_t* m) {
   auto th = static_cast<float>(theta);
-  if (static_cast<double>(th) > theta) th = std::nextafter(th, -std::numeric_limits<float>::infinity());
+  if (static_cast<double>(th) > theta)
+    th = std::nextafter(th, -std::numeric_limits<float>::infinity());
   const __m256 th8 = _mm256_set1_ps(th);
   int64_t cnt = 0;
   for (int64_t w = 0; w < (D + 63) / 64; ++w) {
@@ -442,9 +444,10 @@ inline RowStats row_stats_scratch(OutlierScratch& sc, int64_t nc) {
 /// The selection of AVX2 isolate_row for k = K <= 4, given the row's statistics (row_stats_avx2),
 /// and the outputs (finish_row_avx2). score: [D] scratch.
 ///
-/// A float filter, then the exact scores only where it cannot decide. Every channel gets the float score s' = |x - float(mean)| * float(1 / sd), 3 float
-/// operations per 8 channels instead of the exact score's double conversion, subtraction,
-/// product and rounding. With u = 2^-24, s' and the exact score s of any channel satisfy
+/// A float filter, then the exact scores only where it cannot decide. Every channel gets the
+/// float score s' = |x - float(mean)| * float(1 / sd), 3 float operations per 8 channels
+/// instead of the exact score's double conversion, subtraction, product and rounding. With
+/// u = 2^-24, s' and the exact score s of any channel satisfy
 /// s (1 - 5u) - E <= s' <= s (1 + 5u) + E, E = 2u max(max_g |mean_g| / sd_g, 1) (the float
 /// mean, reciprocal, difference and product each round once; the exact path rounds in double
 /// and once to float). Each lane keeps its K largest s' in registers (a max/min insertion
@@ -467,7 +470,8 @@ inline void row_select_avx2(const float* r, int64_t D, int64_t gc, int64_t k, co
   for (int64_t b = 0; b < nc; ++b) {
     const __m256 mf = _mm256_broadcast_ss(st.fmean + b), fi = _mm256_broadcast_ss(st.fisd + b);
     for (int64_t d = b * gc; d < (b + 1) * gc; d += 8) {
-      const __m256 s8 = _mm256_mul_ps(_mm256_andnot_ps(sign_f, _mm256_sub_ps(_mm256_loadu_ps(r + d), mf)), fi);
+      const __m256 a = _mm256_sub_ps(_mm256_loadu_ps(r + d), mf);
+      const __m256 s8 = _mm256_mul_ps(_mm256_andnot_ps(sign_f, a), fi);
       _mm256_storeu_ps(score + d, s8);
       top_k_insert<K>(top, s8);
     }
@@ -486,7 +490,8 @@ inline void row_select_avx2(const float* r, int64_t D, int64_t gc, int64_t k, co
     for (int64_t d = 0; d < D; ++d) {
       if (!every && !marked(m, d)) continue;
       const int64_t b = d / gc;
-      const auto sd_ = static_cast<float>(std::fabs(static_cast<double>(r[d]) - st.mean[b]) * st.isd[b]);
+      const auto sd_ =
+          static_cast<float>(std::fabs(static_cast<double>(r[d]) - st.mean[b]) * st.isd[b]);
       if (n == k && !(sd_ > bs[k - 1])) continue;  // ties: the earlier channel stays
       int64_t j = n < k ? n++ : k - 1;
       while (j > 0 && sd_ > bs[j - 1]) {
