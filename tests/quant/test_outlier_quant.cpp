@@ -285,6 +285,42 @@ TEST(OutlierRow, PathsMatchOracleBitForBit) {
                                                v.data(), lo.data(), hi.data(), sc));
 }
 
+// The channel axis (boxes of G tokens of one channel; the AVX2 path's float filter with the
+// channels' statistics) gives the oracle's selection and dense part bit for bit on the same
+// kinds of rows, every token of a block drawn in the same mode.
+TEST(OutlierChannel, MatchesOracleBitForBit) {
+  int cases = 0;
+  for (int64_t D : {8, 64, 128, 136})
+    for (int64_t G : {4, 8, 32})
+      for (int64_t k : {1, 2, 3, 4}) {
+        if (k > D) continue;
+        for (uint32_t seed = 0; seed < 8; ++seed) {
+          const int64_t T = 2 * G, H = 2;
+          std::vector<float> x;
+          for (int64_t v = 0; v < T * H; ++v) {
+            // the mode (seed % 8 in tricky_row) is the same for every row of this tensor
+            const std::vector<float> r =
+                tricky_row(D, 8, seed + 8u * static_cast<uint32_t>(v + 1 + D + k));
+            x.insert(x.end(), r.begin(), r.end());
+          }
+          const kvq::Shape s{T, H, D};
+          const auto ref = kvq::reference::split_outliers(kvq::Axis::kChannel, G, k,
+                                                          kvq::KVView<const float>(x.data(), s));
+          std::vector<int32_t> sel(static_cast<std::size_t>(T * H * k));
+          std::vector<float> vals(sel.size());
+          kvq::OutlierScratch sc;
+          kvq::isolate_outliers(s, kvq::Axis::kChannel, G, k, x.data(), sel.data(), vals.data(), sc);
+          SCOPED_TRACE(::testing::Message() << "D=" << D << " G=" << G << " k=" << k
+                                            << " seed=" << seed);
+          EXPECT_EQ(sel, ref.sel);
+          EXPECT_TRUE(same_bits(vals.data(), ref.vals.data(), vals.size()));
+          EXPECT_TRUE(same_bits(x.data(), ref.dense.data(), x.size()));
+          ++cases;
+        }
+      }
+  EXPECT_GT(cases, 300);
+}
+
 // The fused token-axis path (every dense format, bits, symmetric/asymmetric, fp16/f32
 // metadata, f32/f16/strided input) and the slab path of token-spanning axes give the oracle's
 // bytes.

@@ -161,56 +161,6 @@ inline __m256 hmin8(__m256 m) {
   return _mm256_min_ps(m, _mm256_shuffle_ps(m, m, _MM_SHUFFLE(2, 3, 0, 1)));
 }
 
-/// The end of a register top-k (K = k <= 4) over score[0..D) (D % 8 == 0, scores >= 0): `top`
-/// holds each lane's K largest scores. The k-th largest score T of the row is the k-th largest
-/// of the lanes' lists; the selection is every score > T (fewer than k) and then the lowest
-/// channels with score == T, written ascending to sel[0..k).
-template <int K>
-inline void finish_top_k(__m256* top, const float* score, int64_t D, int64_t k, int32_t* sel) {
-  // Take the largest value M with its multiplicity c until c covers what is left of k.
-  __m256 tv = _mm256_set1_ps(-1.f);
-  for (int64_t left = k; left > 0;) {
-    __m256 m = top[0];
-    for (int t = 1; t < K; ++t) m = _mm256_max_ps(m, top[t]);
-    tv = hmax8(m);
-    int c = 0;
-    for (int t = 0; t < K; ++t) {
-      const __m256 eq_ = _mm256_cmp_ps(top[t], tv, _CMP_EQ_OQ);
-      c += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(eq_)));
-      top[t] = _mm256_blendv_ps(top[t], _mm256_set1_ps(-2.f), eq_);
-    }
-    left -= c;
-  }
-  int n_gt = 0, n_eq = 0;
-  int32_t eq[K] = {};
-  const float T = _mm256_cvtss_f32(tv);
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {  // 64 channels' "score >= T" bits, then those only
-    uint64_t ge = 0;
-    const int64_t n = std::min<int64_t>(64, D - d0);
-    for (int64_t i = 0; i < n; i += 8)
-      ge |= static_cast<uint64_t>(static_cast<unsigned>(_mm256_movemask_ps(
-                _mm256_cmp_ps(_mm256_loadu_ps(score + d0 + i), tv, _CMP_GE_OQ))))
-            << i;
-    for (; ge != 0; ge &= ge - 1) {
-      const auto d = static_cast<int32_t>(d0 + __builtin_ctzll(ge));
-      if (score[d] > T) {
-        sel[n_gt++] = d;
-      } else if (n_eq < K) {
-        eq[n_eq++] = d;
-      }
-    }
-  }
-  for (int j = 0; n_gt < k; ++j) {  // merge: sel stays ascending
-    const int32_t at = eq[j];
-    int i = n_gt++;
-    while (i > 0 && sel[i - 1] > at) {
-      sel[i] = sel[i - 1];
-      --i;
-    }
-    sel[i] = at;
-  }
-}
-
 /// Inserts the 8 scores v into each lane's descending top-K list.
 template <int K>
 inline void top_k_insert(__m256* top, __m256 v) {
@@ -564,10 +514,12 @@ inline bool isolate_row_avx2(const float* r, int64_t D, int64_t gc, int64_t k, f
 }
 
 /// AVX2 isolate_outliers for the channel axis (boxes of G tokens of one channel), K = k <= 4,
-/// head_dim % 8 == 0, finite x: per (token block, head) the channel sums run four channels per
-/// vector down the block's tokens (each box's single partial, in token order, as the scalar
-/// path), scores and the register top-k per token, the non-selected range per channel with the
-/// selected lanes blended to +-inf, then the dense replacement.
+/// head_dim % 8 == 0 and <= 64 * kRowMaskWords, finite x: per (token block, head) the channel
+/// sums run four channels per vector down the block's tokens (each box's single partial, in
+/// token order, as the scalar path); per token the selection by row_select_avx2's float filter
+/// (float scores against the channels' float mean and 1 / sd, exact scores near ties); the
+/// non-selected range per channel with the selected lanes blended to +-inf, then the dense
+/// replacement.
 template <int K>
 inline void isolate_channel_avx2(const Shape& s, const GroupBox& box, float* x, int32_t* sel,
                                  float* vals, OutlierScratch& sc) {
@@ -579,9 +531,12 @@ inline void isolate_channel_avx2(const Shape& s, const GroupBox& box, float* x, 
   float* lo = grow(sc.lo, uD);
   float* hi = grow(sc.hi, uD);
   float* score = grow(sc.score, uD);
+  float* fmean = grow(sc.fmean, uD);
+  float* fisd = grow(sc.fisd, uD);
   uint8_t* bits = grow(sc.mark, static_cast<std::size_t>(G) * uD / 8);
   const __m256d inv_n = _mm256_set1_pd(1.0 / static_cast<double>(G));
   const __m256d zero_d = _mm256_setzero_pd(), sign_d = _mm256_set1_pd(-0.0);
+  const __m256 sign_f = _mm256_set1_ps(-0.f);
   const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256 ninf8 = _mm256_sub_ps(_mm256_setzero_ps(), inf8);
   const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -607,35 +562,65 @@ inline void isolate_channel_avx2(const Shape& s, const GroupBox& box, float* x, 
           _mm256_storeu_pd(acc + d, _mm256_fmadd_pd(dv, dv, _mm256_loadu_pd(acc + d)));
         }
       }
+      __m256d emax4 = zero_d, guard4 = zero_d;  // as RowStats' emax and guard, over channels
       for (int64_t d = 0; d < D; d += 4) {
         const __m256d sd = _mm256_sqrt_pd(_mm256_mul_pd(_mm256_loadu_pd(acc + d), inv_n));
-        _mm256_storeu_pd(isd + d, _mm256_and_pd(_mm256_cmp_pd(sd, zero_d, _CMP_GT_OQ),
-                                                _mm256_div_pd(_mm256_set1_pd(1.0), sd)));
+        const __m256d i4 = _mm256_and_pd(_mm256_cmp_pd(sd, zero_d, _CMP_GT_OQ),
+                                         _mm256_div_pd(_mm256_set1_pd(1.0), sd));
+        const __m256d m4 = _mm256_loadu_pd(mean + d);
+        _mm256_storeu_pd(isd + d, i4);
+        _mm_storeu_ps(fmean + d, _mm256_cvtpd_ps(m4));
+        _mm_storeu_ps(fisd + d, _mm256_cvtpd_ps(i4));
+        emax4 = _mm256_max_pd(emax4, _mm256_mul_pd(_mm256_andnot_pd(sign_d, m4), i4));
+        guard4 = _mm256_or_pd(
+            guard4, _mm256_and_pd(_mm256_cmp_pd(i4, zero_d, _CMP_NEQ_OQ),
+                                  _mm256_or_pd(_mm256_cmp_pd(i4, _mm256_set1_pd(1e-30), _CMP_LT_OQ),
+                                               _mm256_cmp_pd(i4, _mm256_set1_pd(1e30), _CMP_GT_OQ))));
       }
-      // Selection per token (vector v = (t0 + t) * H + h).
-      std::fill(bits, bits + G * D / 8, uint8_t{0});
+      const double E = 0x1p-23 * std::max(_mm256_cvtsd_f64(hmax4d(emax4)), 1.0);
+      const bool guard = _mm256_movemask_pd(guard4) != 0;
+      // Selection per token (vector v = (t0 + t) * H + h): row_select_avx2's float filter with
+      // the channels' statistics (the same bounds; E and the guard over the block's channels).
       for (int64_t t = 0; t < G; ++t) {
         const float* r = row(t);
         __m256 top[K];
         for (auto& q : top) q = _mm256_set1_ps(-1.f);
         for (int64_t d = 0; d < D; d += 8) {
-          auto sc4 = [&](int64_t e) {
-            const __m256d dv =
-                _mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(r + e)), _mm256_loadu_pd(mean + e));
-            return _mm256_cvtpd_ps(_mm256_mul_pd(_mm256_andnot_pd(sign_d, dv), _mm256_loadu_pd(isd + e)));
-          };
-          const __m256 s8 = _mm256_set_m128(sc4(d + 4), sc4(d));
+          const __m256 a = _mm256_sub_ps(_mm256_loadu_ps(r + d), _mm256_loadu_ps(fmean + d));
+          const __m256 s8 = _mm256_mul_ps(_mm256_andnot_ps(sign_f, a), _mm256_loadu_ps(fisd + d));
           _mm256_storeu_ps(score + d, s8);
           top_k_insert<K>(top, s8);
         }
+        uint64_t m[kRowMaskWords];
+        const double theta = (static_cast<double>(kth_of_lists<K>(top, k)) - E) * (1.0 - 0x1p-16) - E;
+        const int64_t cnt = mark_at_least(score, D, theta, m);
+        if (cnt != k || guard) {  // exact scores of the candidates, or of every channel
+          const bool every = guard || cnt < k;
+          int32_t best[K];
+          float bs[K];
+          int64_t n = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            if (!every && !marked(m, d)) continue;
+            const auto sd_ =
+                static_cast<float>(std::fabs(static_cast<double>(r[d]) - mean[d]) * isd[d]);
+            if (n == k && !(sd_ > bs[k - 1])) continue;  // ties: the earlier channel stays
+            int64_t j = n < k ? n++ : k - 1;
+            while (j > 0 && sd_ > bs[j - 1]) {
+              bs[j] = bs[j - 1];
+              best[j] = best[j - 1];
+              --j;
+            }
+            bs[j] = sd_;
+            best[j] = static_cast<int32_t>(d);
+          }
+          std::fill(m, m + (D + 63) / 64, uint64_t{0});
+          for (int64_t j = 0; j < k; ++j) m[best[j] >> 6] |= uint64_t{1} << (best[j] & 63);
+        }
         const int64_t v = (t0 + t) * H + h;
         int32_t* sl = sel + v * k;
-        finish_top_k<K>(top, score, D, k, sl);
-        uint8_t* bt = bits + t * D / 8;
-        for (int64_t j = 0; j < k; ++j) {
-          vals[v * k + j] = r[sl[j]];
-          bt[sl[j] >> 3] |= static_cast<uint8_t>(1u << (sl[j] & 7));
-        }
+        marked_channels(m, D, k, sl);
+        for (int64_t j = 0; j < k; ++j) vals[v * k + j] = r[sl[j]];
+        std::memcpy(bits + t * D / 8, m, static_cast<std::size_t>(D / 8));  // little-endian words
       }
       // Non-selected range per channel.
       for (int64_t d = 0; d < D; d += 8) {
@@ -705,7 +690,7 @@ inline void isolate_outliers(const Shape& s, Axis axis, int64_t group, int64_t k
   if (k == 0 || s.numel() == 0) return;
   const GroupBox box = group_box(axis, group, s);
 #if KVQ_HAS_AVX2
-  if (axis == Axis::kChannel && D % 8 == 0 && k <= 4) {
+  if (axis == Axis::kChannel && D % 8 == 0 && k <= 4 && D <= 64 * detail::kRowMaskWords) {
     // Finite input only (NaN would stall the top-k): anything else takes the scalar path.
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
