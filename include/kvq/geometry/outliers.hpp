@@ -328,6 +328,41 @@ inline int64_t mark_at_least(const float* score, int64_t D, double theta, uint64
   return cnt;
 }
 
+/// The selection bits m (exactly k set) of the float filter that row_select_avx2 describes:
+/// score[0..D) the float scores s', tk their k-th largest T', emax the largest |mean| / sd of
+/// the boxes involved, guard set when some 1 / sd is outside [1e-30, 1e30] (0 excepted).
+/// The channels with s' >= theta when there are exactly k of them; otherwise the k best exact
+/// scores exact(d) in (score descending, channel ascending) order among them, or among every
+/// channel when guard is set or fewer than k passed (the bounds exclude it; this keeps the
+/// result whole anyway).
+template <int K, class Exact>
+inline void filter_select(const float* score, int64_t D, int64_t k, float tk, double emax,
+                          bool guard, uint64_t* m, Exact&& exact) {
+  const double E = 0x1p-23 * std::max(emax, 1.0);
+  const double theta = (static_cast<double>(tk) - E) * (1.0 - 0x1p-16) - E;
+  const int64_t cnt = mark_at_least(score, D, theta, m);
+  if (cnt == k && !guard) return;
+  const bool every = guard || cnt < k;
+  int32_t best[K];
+  float bs[K];
+  int64_t n = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    if (!every && !marked(m, d)) continue;
+    const float sd_ = exact(d);
+    if (n == k && !(sd_ > bs[k - 1])) continue;  // ties: the earlier channel stays
+    int64_t j = n < k ? n++ : k - 1;
+    while (j > 0 && sd_ > bs[j - 1]) {
+      bs[j] = bs[j - 1];
+      best[j] = best[j - 1];
+      --j;
+    }
+    bs[j] = sd_;
+    best[j] = static_cast<int32_t>(d);
+  }
+  std::fill(m, m + (D + 63) / 64, uint64_t{0});
+  for (int64_t j = 0; j < k; ++j) m[best[j] >> 6] |= uint64_t{1} << (best[j] & 63);
+}
+
 /// The statistics of one row for the AVX2 row paths (arrays of nc + 3 entries): the box mean
 /// and 1 / sd of the definition (double sums four lanes wide, lane j holding partial j, i.e.
 /// channels d = j mod 4, so the sums are the scalar path's; four groups side by side, their
@@ -413,7 +448,7 @@ template <int K>
 inline void row_select_avx2(const float* r, int64_t D, int64_t gc, int64_t k, const RowStats& st,
                             float* score, float* dense, int32_t* sel, float* vals, float* lo,
                             float* hi) {
-  const int64_t nc = D / gc, nw = (D + 63) / 64;
+  const int64_t nc = D / gc;
   __m256 top[K];  // per lane, its K largest s' (descending); -1 = none yet
   for (auto& t : top) t = _mm256_set1_ps(-1.f);
   const __m256 sign_f = _mm256_set1_ps(-0.f);
@@ -427,34 +462,10 @@ inline void row_select_avx2(const float* r, int64_t D, int64_t gc, int64_t k, co
     }
   }
   uint64_t m[kRowMaskWords];
-  const double E = 0x1p-23 * std::max(st.emax, 1.0);
-  const double theta = (static_cast<double>(kth_of_lists<K>(top, k)) - E) * (1.0 - 0x1p-16) - E;
-  const int64_t cnt = mark_at_least(score, D, theta, m);
-  if (cnt != k || st.guard) {
-    // Exact scores of the candidates; of every channel when the bounds do not apply, or if
-    // fewer than k channels passed (the bounds exclude it; this keeps best[] filled anyway).
-    const bool every = st.guard || cnt < k;
-    int32_t best[K];
-    float bs[K];
-    int64_t n = 0;
-    for (int64_t d = 0; d < D; ++d) {
-      if (!every && !marked(m, d)) continue;
-      const int64_t b = d / gc;
-      const auto sd_ =
-          static_cast<float>(std::fabs(static_cast<double>(r[d]) - st.mean[b]) * st.isd[b]);
-      if (n == k && !(sd_ > bs[k - 1])) continue;  // ties: the earlier channel stays
-      int64_t j = n < k ? n++ : k - 1;
-      while (j > 0 && sd_ > bs[j - 1]) {
-        bs[j] = bs[j - 1];
-        best[j] = best[j - 1];
-        --j;
-      }
-      bs[j] = sd_;
-      best[j] = static_cast<int32_t>(d);
-    }
-    std::fill(m, m + nw, uint64_t{0});
-    for (int64_t j = 0; j < k; ++j) m[best[j] >> 6] |= uint64_t{1} << (best[j] & 63);
-  }
+  filter_select<K>(score, D, k, kth_of_lists<K>(top, k), st.emax, st.guard, m, [&](int64_t d) {
+    const int64_t b = d / gc;
+    return static_cast<float>(std::fabs(static_cast<double>(r[d]) - st.mean[b]) * st.isd[b]);
+  });
   marked_channels(m, D, k, sel);
   finish_row_avx2(r, D, gc, k, m, sel, st.mean, dense, vals, lo, hi);
 }
@@ -577,7 +588,7 @@ inline void isolate_channel_avx2(const Shape& s, const GroupBox& box, float* x, 
                                   _mm256_or_pd(_mm256_cmp_pd(i4, _mm256_set1_pd(1e-30), _CMP_LT_OQ),
                                                _mm256_cmp_pd(i4, _mm256_set1_pd(1e30), _CMP_GT_OQ))));
       }
-      const double E = 0x1p-23 * std::max(_mm256_cvtsd_f64(hmax4d(emax4)), 1.0);
+      const double emax = _mm256_cvtsd_f64(hmax4d(emax4));
       const bool guard = _mm256_movemask_pd(guard4) != 0;
       // Selection per token (vector v = (t0 + t) * H + h): row_select_avx2's float filter with
       // the channels' statistics (the same bounds; E and the guard over the block's channels).
@@ -592,30 +603,9 @@ inline void isolate_channel_avx2(const Shape& s, const GroupBox& box, float* x, 
           top_k_insert<K>(top, s8);
         }
         uint64_t m[kRowMaskWords];
-        const double theta = (static_cast<double>(kth_of_lists<K>(top, k)) - E) * (1.0 - 0x1p-16) - E;
-        const int64_t cnt = mark_at_least(score, D, theta, m);
-        if (cnt != k || guard) {  // exact scores of the candidates, or of every channel
-          const bool every = guard || cnt < k;
-          int32_t best[K];
-          float bs[K];
-          int64_t n = 0;
-          for (int64_t d = 0; d < D; ++d) {
-            if (!every && !marked(m, d)) continue;
-            const auto sd_ =
-                static_cast<float>(std::fabs(static_cast<double>(r[d]) - mean[d]) * isd[d]);
-            if (n == k && !(sd_ > bs[k - 1])) continue;  // ties: the earlier channel stays
-            int64_t j = n < k ? n++ : k - 1;
-            while (j > 0 && sd_ > bs[j - 1]) {
-              bs[j] = bs[j - 1];
-              best[j] = best[j - 1];
-              --j;
-            }
-            bs[j] = sd_;
-            best[j] = static_cast<int32_t>(d);
-          }
-          std::fill(m, m + (D + 63) / 64, uint64_t{0});
-          for (int64_t j = 0; j < k; ++j) m[best[j] >> 6] |= uint64_t{1} << (best[j] & 63);
-        }
+        filter_select<K>(score, D, k, kth_of_lists<K>(top, k), emax, guard, m, [&](int64_t d) {
+          return static_cast<float>(std::fabs(static_cast<double>(r[d]) - mean[d]) * isd[d]);
+        });
         const int64_t v = (t0 + t) * H + h;
         int32_t* sl = sel + v * k;
         marked_channels(m, D, k, sl);
