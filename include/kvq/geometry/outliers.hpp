@@ -363,6 +363,21 @@ inline void filter_select(const float* score, int64_t D, int64_t k, float tk, do
   for (int64_t j = 0; j < k; ++j) m[best[j] >> 6] |= uint64_t{1} << (best[j] & 63);
 }
 
+/// For four boxes (means m4, 1 / sd i4): their float roundings into fm[0..4), fi[0..4) (the
+/// float filter's mean and 1 / sd), and the filter's running bounds (filter_select): emax, the
+/// largest |mean| / sd, and guard, set where a 1 / sd lies outside [1e-30, 1e30] (0 excepted).
+inline void filter_stats4(__m256d m4, __m256d i4, float* fm, float* fi, __m256d& emax,
+                          __m256d& guard) {
+  const __m256d zero_d = _mm256_setzero_pd();
+  _mm_storeu_ps(fm, _mm256_cvtpd_ps(m4));
+  _mm_storeu_ps(fi, _mm256_cvtpd_ps(i4));
+  emax = _mm256_max_pd(emax, _mm256_mul_pd(_mm256_andnot_pd(_mm256_set1_pd(-0.0), m4), i4));
+  guard = _mm256_or_pd(
+      guard, _mm256_and_pd(_mm256_cmp_pd(i4, zero_d, _CMP_NEQ_OQ),
+                           _mm256_or_pd(_mm256_cmp_pd(i4, _mm256_set1_pd(1e-30), _CMP_LT_OQ),
+                                        _mm256_cmp_pd(i4, _mm256_set1_pd(1e30), _CMP_GT_OQ))));
+}
+
 /// The statistics of one row for the AVX2 row paths (arrays of nc + 3 entries): the box mean
 /// and 1 / sd of the definition (double sums four lanes wide, lane j holding partial j, i.e.
 /// channels d = j mod 4, so the sums are the scalar path's; four groups side by side, their
@@ -407,13 +422,7 @@ inline bool row_stats_avx2(const float* r, int64_t D, int64_t gc, RowStats& st) 
                                        _mm256_div_pd(_mm256_set1_pd(1.0), sd4));
     _mm256_storeu_pd(st.mean + b0, m4);
     _mm256_storeu_pd(st.isd + b0, isd4);
-    _mm_storeu_ps(st.fmean + b0, _mm256_cvtpd_ps(m4));
-    _mm_storeu_ps(st.fisd + b0, _mm256_cvtpd_ps(isd4));
-    emax = _mm256_max_pd(emax, _mm256_mul_pd(_mm256_andnot_pd(sign_d, m4), isd4));
-    guard = _mm256_or_pd(
-        guard, _mm256_and_pd(_mm256_cmp_pd(isd4, zero_d, _CMP_NEQ_OQ),
-                             _mm256_or_pd(_mm256_cmp_pd(isd4, _mm256_set1_pd(1e-30), _CMP_LT_OQ),
-                                          _mm256_cmp_pd(isd4, _mm256_set1_pd(1e30), _CMP_GT_OQ))));
+    filter_stats4(m4, isd4, st.fmean + b0, st.fisd + b0, emax, guard);
   }
   st.emax = _mm256_cvtsd_f64(hmax4d(emax));  // lanes past nc repeat the last group
   st.guard = _mm256_movemask_pd(guard) != 0;
@@ -546,7 +555,7 @@ inline void isolate_channel_avx2(const Shape& s, const GroupBox& box, float* x, 
   float* fisd = grow(sc.fisd, uD);
   uint8_t* bits = grow(sc.mark, static_cast<std::size_t>(G) * uD / 8);
   const __m256d inv_n = _mm256_set1_pd(1.0 / static_cast<double>(G));
-  const __m256d zero_d = _mm256_setzero_pd(), sign_d = _mm256_set1_pd(-0.0);
+  const __m256d zero_d = _mm256_setzero_pd();
   const __m256 sign_f = _mm256_set1_ps(-0.f);
   const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256 ninf8 = _mm256_sub_ps(_mm256_setzero_ps(), inf8);
@@ -573,20 +582,14 @@ inline void isolate_channel_avx2(const Shape& s, const GroupBox& box, float* x, 
           _mm256_storeu_pd(acc + d, _mm256_fmadd_pd(dv, dv, _mm256_loadu_pd(acc + d)));
         }
       }
-      __m256d emax4 = zero_d, guard4 = zero_d;  // as RowStats' emax and guard, over channels
+      __m256d emax4 = zero_d, guard4 = zero_d;  // filter_stats4's bounds over the channels
       for (int64_t d = 0; d < D; d += 4) {
         const __m256d sd = _mm256_sqrt_pd(_mm256_mul_pd(_mm256_loadu_pd(acc + d), inv_n));
         const __m256d i4 = _mm256_and_pd(_mm256_cmp_pd(sd, zero_d, _CMP_GT_OQ),
                                          _mm256_div_pd(_mm256_set1_pd(1.0), sd));
         const __m256d m4 = _mm256_loadu_pd(mean + d);
         _mm256_storeu_pd(isd + d, i4);
-        _mm_storeu_ps(fmean + d, _mm256_cvtpd_ps(m4));
-        _mm_storeu_ps(fisd + d, _mm256_cvtpd_ps(i4));
-        emax4 = _mm256_max_pd(emax4, _mm256_mul_pd(_mm256_andnot_pd(sign_d, m4), i4));
-        guard4 = _mm256_or_pd(
-            guard4, _mm256_and_pd(_mm256_cmp_pd(i4, zero_d, _CMP_NEQ_OQ),
-                                  _mm256_or_pd(_mm256_cmp_pd(i4, _mm256_set1_pd(1e-30), _CMP_LT_OQ),
-                                               _mm256_cmp_pd(i4, _mm256_set1_pd(1e30), _CMP_GT_OQ))));
+        filter_stats4(m4, i4, fmean + d, fisd + d, emax4, guard4);
       }
       const double emax = _mm256_cvtsd_f64(hmax4d(emax4));
       const bool guard = _mm256_movemask_pd(guard4) != 0;
