@@ -4,6 +4,7 @@
 // kvq_cuda_host_ref shared library), so the results can be compared bit for bit.
 #include <cstdint>
 
+#include <kvq/kernels/common/element.hpp>
 #include <kvq/kvq.hpp>
 
 namespace kvq_cuda_test {
@@ -28,6 +29,8 @@ enum Col : int {
   kCodebook,       ///< codebook_encode(3-bit Gaussian Lloyd-Max thresholds, x)
   kUniformEncode,  ///< uniform_encode(x, ...) asymmetric 4-bit and symmetric 8-bit, one byte each
   kUniformDecode,  ///< uniform_decode(u >> 24, ...)
+  kNuqEncode,      ///< elem::nuq_encode(x, ...) 3-bit and 4-bit, one byte each
+  kNuqDecode,      ///< elem::nuq_decode(u >> 28, ...) and nuq_params(-|x|, |x|) scale
   kCols
 };
 
@@ -72,6 +75,19 @@ KVQ_HOST_DEVICE void eval_all(float x, uint32_t* out) {
       static_cast<uint32_t>(kvq::uniform_encode(x, 0.f, 1.0f / 0.03f, 127.f, 254.f)) << 8;
   out[kUniformDecode] = f32_bits(kvq::uniform_decode(hi8, 0.2f, -1.5f, 0.f)) ^
                         f32_bits(kvq::uniform_decode(hi8, 0.03f, 0.f, 127.f)) * 3u;
+  // A non-uniform 4-bit codebook in [0, 1] and its midpoints; 3-bit uses its even levels.
+  float lv4[16], th4[15], lv3[8], th3[7];
+  for (int i = 0; i < 16; ++i) lv4[i] = static_cast<float>(i * i) / 225.f;
+  for (int i = 0; i < 8; ++i) lv3[i] = lv4[2 * i];
+  kvq::nuq_thresholds(lv4, 16, th4);
+  kvq::nuq_thresholds(lv3, 8, th3);
+  out[kNuqEncode] = static_cast<uint32_t>(kvq::elem::nuq_encode(th3, 3, x, -1.5f, 1.0f / 3.f)) |
+                    static_cast<uint32_t>(kvq::elem::nuq_encode(th4, 4, x, 0.25f, 7.f)) << 8;
+  kvq::elem::GroupParams gp;
+  const float ax = x < 0.f ? -x : x;
+  const auto st = kvq::elem::nuq_params(-ax, ax, true, &gp);
+  out[kNuqDecode] = f32_bits(kvq::elem::nuq_decode(lv4, 4, static_cast<uint8_t>(u >> 28), 3.f, -1.5f)) ^
+                    (f32_bits(gp.scale) + static_cast<uint32_t>(st)) * 5u;
 }
 
 }  // namespace kvq_cuda_test

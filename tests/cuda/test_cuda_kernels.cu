@@ -10,7 +10,8 @@
 //    page bytes, padding included) for int/fp8/raw/Lloyd-Max configs, random and adversarial
 //    inputs; dequantize bit-exact against dequantize_page (f32/f16/bf16); batched decode
 //    attention within 1e-3 relative of a double-precision reference over the CPU-dequantized
-//    pages; non-finite input reported by AppendPlan::check. Each GTEST_SKIPs with the reason
+//    pages (nuq and dense-and-sparse outliers included: outlier pages written by the CPU);
+//    non-finite input reported by AppendPlan::check. Each GTEST_SKIPs with the reason
 //    when no CUDA device is visible.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -68,6 +69,30 @@ QuantConfig lm_cfg(int bits, kvq::MetaDType meta = kvq::MetaDType::kF16) {
   return c;
 }
 
+/// nuq<bits> with a fixed, non-uniform codebook (levels in the normalized space [0, 1]).
+QuantConfig nuq_cfg(int bits, Axis axis, int64_t group, kvq::MetaDType meta = kvq::MetaDType::kF16) {
+  QuantConfig c;
+  c.format = Format::kNuq;
+  c.bits = bits;
+  c.axis = axis;
+  c.group = group;
+  c.meta = meta;
+  const int n = 1 << bits;
+  for (int i = 0; i < n; ++i) {  // denser near the ends, as learned codebooks of KV data are
+    const double u = static_cast<double>(i) / (n - 1);
+    c.nuq_levels[static_cast<std::size_t>(i)] =
+        static_cast<float>(0.5 - 0.5 * std::cos(3.14159265358979 * u));
+  }
+  c.nuq_ready = true;
+  return c;
+}
+/// `c` with k dense-and-sparse outliers per vector (or pct % of head_dim when pct > 0).
+QuantConfig with_outliers(QuantConfig c, int k, float pct = 0.f) {
+  c.outliers = pct > 0.f ? 0 : k;
+  c.outlier_pct = pct;
+  return c;
+}
+
 struct Pair {
   std::string name;
   QuantConfig k, v;
@@ -91,6 +116,29 @@ std::vector<Pair> elementwise_pairs() {
        fp8_cfg(false, Axis::kToken, 32)},
       {"f16 / bf16", raw_cfg(Format::kF16), raw_cfg(Format::kBF16)},
       {"f32 / int4 token g32", raw_cfg(Format::kF32), int_cfg(4, Axis::kToken, 32)},
+      {"nuq3 channel g32 / nuq3 token g32", nuq_cfg(3, Axis::kChannel, 32),
+       nuq_cfg(3, Axis::kToken, 32)},
+      {"nuq4 channel g16 f32meta / nuq2 token g0", nuq_cfg(4, Axis::kChannel, 16, kvq::MetaDType::kF32),
+       nuq_cfg(2, Axis::kToken, 0)},
+      {"nuq2 head g16 / int4 token g32", nuq_cfg(2, Axis::kHead, 16), int_cfg(4, Axis::kToken, 32)},
+  };
+}
+/// Pairs with dense-and-sparse outliers (per token and per channel, k 1 to 4, 32, over int,
+/// fp8 and nuq).
+std::vector<Pair> outlier_pairs() {
+  return {
+      {"int3 channel g32 out1% / int3 token g32 out1%",
+       with_outliers(int_cfg(3, Axis::kChannel, 32), 0, 1.f),
+       with_outliers(int_cfg(3, Axis::kToken, 32), 0, 1.f)},
+      {"nuq3 channel g32 out2 / nuq3 token g32 out3", with_outliers(nuq_cfg(3, Axis::kChannel, 32), 2),
+       with_outliers(nuq_cfg(3, Axis::kToken, 32), 3)},
+      {"e4m3 token out4 / int4 token g16 out1", with_outliers(fp8_cfg(false, Axis::kToken), 4),
+       with_outliers(int_cfg(4, Axis::kToken, 16), 1)},
+      {"int2 channel g16 sym out32 / e5m2 channel g16 out2",
+       with_outliers(int_cfg(2, Axis::kChannel, 16, true), 32),
+       with_outliers(fp8_cfg(true, Axis::kChannel, 16), 2)},
+      {"int4 token g8 out8 / nuq4 token g64 out1", with_outliers(int_cfg(4, Axis::kToken, 8), 8),
+       with_outliers(nuq_cfg(4, Axis::kToken, 64), 1)},
   };
 }
 std::vector<Pair> lm_pairs() {
@@ -216,20 +264,35 @@ void emulated_append(const PageLayout& layout, Pages& pages, int64_t pos,
   const kvq::cuda::PagedDesc L = kvq::cuda::make_paged_desc(layout);
   std::vector<std::byte*> ptrs = page_ptrs(pages);
   std::vector<uint8_t> scratch(static_cast<std::size_t>(n * L.H * L.D));
+  std::vector<uint8_t> chosen(scratch.size(), 0xee);  // stale flags: pass O must clear them
+  std::vector<kvq::cuda::detail::OutlierBox> obox;
   const kvq::cuda::TensorDesc* X[2] = {&L.k, &L.v};
   const std::vector<float>* in[2] = {&k, &v};
   for (int t = 0; t < 2; ++t) {
     const auto f = static_cast<Format>(X[t]->format);
-    if (f == Format::kInt || f == Format::kE4M3 || f == Format::kE5M2) {
-      const int64_t boxes = n / X[t]->gt * X[t]->nh * X[t]->nc;
+    const bool grouped =
+        f == Format::kInt || f == Format::kE4M3 || f == Format::kE5M2 || f == Format::kNuq;
+    const int64_t boxes = grouped ? n / X[t]->gt * X[t]->nh * X[t]->nc : 0;
+    const bool out = X[t]->outliers > 0;
+    if (out) {  // passes S and O
+      obox.assign(static_cast<std::size_t>(boxes), kvq::cuda::detail::OutlierBox{});
       for (int64_t i = 0; i < boxes; ++i)
-        kvq::cuda::detail::append_params(*X[t], L, ptrs.data(), pos, in[t]->data(), i, &st, t);
+        kvq::cuda::detail::outlier_stats(*X[t], L, in[t]->data(), i, obox.data(), &st, t);
+      if (st.code != 0) return;
+      for (int64_t i = 0; i < n * L.H; ++i)
+        kvq::cuda::detail::outlier_select(*X[t], L, ptrs.data(), pos, in[t]->data(), i,
+                                          obox.data(), chosen.data(), &st, t);
+      if (st.code != 0) return;
     }
+    for (int64_t i = 0; i < boxes; ++i)
+      kvq::cuda::detail::append_params(*X[t], L, ptrs.data(), pos, in[t]->data(), i, &st, t,
+                                       out ? chosen.data() : nullptr, out ? obox.data() : nullptr);
     if (st.code != 0) return;
     for (int64_t i = 0; i < n * L.H * L.D; ++i)
       kvq::cuda::detail::append_encode(*X[t], L, ptrs.data(), pos, in[t]->data(), i,
-                                       scratch.data());
-    if (f == Format::kInt && X[t]->bits < 8) {
+                                       scratch.data(), out ? chosen.data() : nullptr,
+                                       out ? obox.data() : nullptr);
+    if ((f == Format::kInt && X[t]->bits < 8) || f == Format::kNuq) {
       for (int64_t i = 0; i < n * L.H * L.D * X[t]->bits / 8; ++i)
         kvq::cuda::detail::append_pack(*X[t], L, ptrs.data(), pos, i, scratch.data());
     }
@@ -239,7 +302,9 @@ void emulated_append(const PageLayout& layout, Pages& pages, int64_t pos,
 constexpr int64_t kP = 64, kH = 2, kD = 64;
 
 TEST(HostEmulated, AppendWritesTheBytesOfQuantizePage) {
-  for (const Pair& pr : elementwise_pairs()) {
+  std::vector<Pair> all = elementwise_pairs();
+  for (const Pair& p : outlier_pairs()) all.push_back(p);
+  for (const Pair& pr : all) {
     const PageLayout L = kvq::make_page_layout(pr.k, pr.v, kP, kH, kD);
     for (Input in : kInputs) {
       SCOPED_TRACE(pr.name + ", " + to_string(in));
@@ -289,10 +354,41 @@ TEST(HostEmulated, AppendReportsNonFiniteAndOverflowLikeTheCpu) {
   } catch (const kvq::Error& e) {
     EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
   }
+  // Outliers: an isolated value beyond fp16 (f32 metadata, so the dense part is fine) is
+  // kOutOfRange on the CPU and kOutlierRange in the status word; NaN still comes first.
+  const QuantConfig o = with_outliers(int_cfg(4, Axis::kToken, 32, false, kvq::MetaDType::kF32), 2);
+  const PageLayout Lo = kvq::make_page_layout(o, o, kP, kH, kD);
+  auto ko = make_input(Input::kGaussian, kP, kH, kD, 6), vo = ko;
+  vo[300] = 70000.f;
+  Pages po = zero_pages(Lo, 1);
+  kvq::cuda::AppendStatus st3;
+  emulated_append(Lo, po, 0, ko, vo, kP, st3);
+  EXPECT_EQ(st3.code, static_cast<int32_t>(kvq::elem::ElementStatus::kOutlierRange));
+  EXPECT_EQ(st3.tensor, 1);
+  EXPECT_EQ(st3.where, 300);
+  try {
+    kvq::cuda::AppendPlan::throw_status(st3);
+    ADD_FAILURE() << "no error for an outlier beyond fp16";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
+  }
+  Pages co = zero_pages(Lo, 1);
+  try {
+    cpu_append(Lo, co, 0, ko, vo, kP);
+    ADD_FAILURE() << "the CPU accepted an outlier beyond fp16";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
+  }
+  vo[5] = NAN;
+  kvq::cuda::AppendStatus st4;
+  emulated_append(Lo, po, 0, ko, vo, kP, st4);
+  EXPECT_EQ(st4.code, static_cast<int32_t>(kvq::elem::ElementStatus::kNonFinite));
 }
 
 TEST(HostEmulated, DequantizeGivesTheBitsOfDequantizePage) {
-  for (const Pair& pr : elementwise_pairs()) {
+  std::vector<Pair> all = elementwise_pairs();
+  for (const Pair& p : outlier_pairs()) all.push_back(p);
+  for (const Pair& pr : all) {
     SCOPED_TRACE(pr.name);
     const PageLayout L = kvq::make_page_layout(pr.k, pr.v, kP, kH, kD);
     const kvq::cuda::PagedDesc desc = kvq::cuda::make_paged_desc(L);
@@ -339,10 +435,23 @@ TEST(HostEmulated, PlansRejectWhatTheKernelsDoNotImplement) {
               kvq::cuda::make_paged_desc(kvq::make_page_layout(lm_cfg(4), lm_cfg(4), kP, kH, 96));
             }),
             unsupported);
-  QuantConfig out = int_cfg(4, Axis::kToken, 32);
-  out.outliers = 2;
-  EXPECT_EQ(kind_of([&] { kvq::cuda::make_paged_desc(kvq::make_page_layout(out, out, kP, kH, kD)); }),
-            unsupported);
+  // Outliers: up to kMaxGpuOutliers per vector on the GPU append; any k read.
+  const QuantConfig out = with_outliers(int_cfg(4, Axis::kToken, 32), 2);
+  const PageLayout Lo = kvq::make_page_layout(int_cfg(4, Axis::kChannel, 32), out, kP, kH, kD);
+  EXPECT_EQ(kvq::cuda::make_paged_desc(Lo).v.outliers, 2);
+  EXPECT_EQ(kind_of([&] { kvq::cuda::AppendPlan(Lo, 64); }), -1);
+  EXPECT_EQ(kind_of([&] { kvq::cuda::DecodePlan(Lo, 1, 2, 100, 0, 132); }), -1);
+  const QuantConfig many = with_outliers(int_cfg(4, Axis::kToken, 32), 33);
+  const PageLayout Lm = kvq::make_page_layout(many, many, kP, kH, kD);
+  EXPECT_EQ(kvq::cuda::make_paged_desc(Lm).k.outliers, 33);
+  EXPECT_EQ(kind_of([&] { kvq::cuda::AppendPlan(Lm, 64); }), unsupported);
+  // nuq needs its calibrated codebook, as on the CPU.
+  QuantConfig raw_nuq = nuq_cfg(3, Axis::kToken, 32);
+  raw_nuq.nuq_ready = false;
+  EXPECT_EQ(kind_of([&] {
+              kvq::cuda::make_paged_desc(kvq::make_page_layout(raw_nuq, raw_nuq, kP, kH, kD));
+            }),
+            invalid);
   const QuantConfig c = int_cfg(4, Axis::kChannel, 16);
   const PageLayout L = kvq::make_page_layout(c, c, kP, kH, kD);
   EXPECT_EQ(kind_of([&] { kvq::cuda::DecodePlan(L, 1, 3, 100); }), invalid);  // 3 % 2 != 0
@@ -476,6 +585,7 @@ TEST(Gpu, AppendWritesTheBytesOfQuantizePage) {
   KVQ_REQUIRE_GPU();
   std::vector<Pair> all = elementwise_pairs();
   for (const Pair& p : lm_pairs()) all.push_back(p);
+  for (const Pair& p : outlier_pairs()) all.push_back(p);
   for (const Pair& pr : all)
     for (Input in : kInputs) {
       gpu_append_case<float>(pr, in);
@@ -515,6 +625,7 @@ TEST(Gpu, DequantizeGivesTheBitsOfDequantizePage) {
   KVQ_REQUIRE_GPU();
   std::vector<Pair> all = elementwise_pairs();
   for (const Pair& p : lm_pairs()) all.push_back(p);
+  for (const Pair& p : outlier_pairs()) all.push_back(p);
   for (const Pair& pr : all) {
     SCOPED_TRACE(pr.name);
     const PageLayout L = kvq::make_page_layout(pr.k, pr.v, kP, kH, kD);
@@ -653,7 +764,9 @@ TEST(Gpu, DecodeAttentionMatchesTheReference) {
       {"int2 token g16 / int3 token g32", int_cfg(2, Axis::kToken, 16), int_cfg(3, Axis::kToken, 32)},
       {"lm4 / lm3", lm_cfg(4), lm_cfg(3)},
       {"e5m2 token / lm2", fp8_cfg(true, Axis::kToken), lm_cfg(2)},
+      {"nuq4 channel g32 / nuq3 token g32", nuq_cfg(4, Axis::kChannel, 32), nuq_cfg(3, Axis::kToken, 32)},
   };
+  for (const Pair& p : outlier_pairs()) pairs.push_back(p);
   for (const Pair& pr : pairs) {
     gpu_decode_case(pr, 4, 1.f, 0);
     gpu_decode_case(pr, 1, 1.f, 64);    // many splits, MHA

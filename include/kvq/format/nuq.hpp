@@ -47,7 +47,7 @@ inline std::size_t nuq_codebook_bytes(int bits) {
 /// Thresholds (midpoints of adjacent levels, computed in float) of `n` ascending levels;
 /// `thr` gets n - 1 values. The encoder compares with these only, so quantizer and oracle
 /// agree bit for bit.
-inline void nuq_thresholds(const float* levels, int n, float* thr) {
+KVQ_HOST_DEVICE void nuq_thresholds(const float* levels, int n, float* thr) {
   for (int i = 0; i + 1 < n; ++i) thr[i] = 0.5f * (levels[i] + levels[i + 1]);
 }
 

@@ -1,5 +1,6 @@
 // kernels/common/element.hpp: the host/device element functions the CUDA kernels run, compared
-// bit for bit with the CPU code they restate (uniform_params, Fp8Codec::params, round_meta,
+// bit for bit with the CPU code they restate (uniform_params, Fp8Codec::params, nuq_params and
+// NuqCodec, round_meta,
 // load_meta/store_meta, pack_bits/unpack_bits, fp8 bulk encode/decode with a scale,
 // Codebook::encode, Rotation signs), over random and adversarial inputs. Compiled by the host
 // compiler here; tests/cuda compiles the same functions with nvcc.
@@ -66,6 +67,59 @@ TEST(Element, IntParamsEqualUniformParams) {
             EXPECT_TRUE(s == ElementStatus::kZeroOverflow || s == ElementStatus::kScaleOverflow);
           }
         }
+}
+
+TEST(Element, NuqParamsCodesAndValuesEqualTheCpuCodec) {
+  for (kvq::MetaDType meta : {kvq::MetaDType::kF16, kvq::MetaDType::kF32})
+    for (auto [lo, hi] : ranges()) {
+      SCOPED_TRACE(testing::Message() << kvq::to_string(meta) << " [" << lo << ", " << hi << "]");
+      GroupParams g;
+      const ElementStatus s = kvq::elem::nuq_params(lo, hi, meta == kvq::MetaDType::kF16, &g);
+      try {
+        const kvq::UniformParams p = kvq::detail::nuq_params(lo, hi, meta, 0);
+        ASSERT_EQ(s, ElementStatus::kOk);
+        EXPECT_EQ(bits_of(g.scale), bits_of(p.scale));
+        EXPECT_EQ(bits_of(g.zero), bits_of(p.zero));
+        EXPECT_EQ(bits_of(g.inv), bits_of(p.inv));
+      } catch (const kvq::Error& e) {
+        EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
+        EXPECT_TRUE(s == ElementStatus::kZeroOverflow || s == ElementStatus::kScaleOverflow);
+      }
+    }
+  // Codes and values against NuqCodec (its SIMD bulk encode and scalar decode), per width.
+  std::mt19937 rng(11);
+  std::normal_distribution<float> n(0.f, 1.f);
+  for (int bits : {2, 3, 4}) {
+    kvq::QuantConfig c;
+    c.format = kvq::Format::kNuq;
+    c.bits = bits;
+    const int L = 1 << bits;
+    for (int i = 0; i < L; ++i)
+      c.nuq_levels[static_cast<std::size_t>(i)] =
+          static_cast<float>(i * i) / static_cast<float>((L - 1) * (L - 1)) - 0.01f;
+    c.nuq_ready = true;
+    const kvq::detail::NuqCodec codec(c);
+    std::vector<float> x(1027);
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = n(rng) * 0.4f + 0.3f;
+    x[0] = 0.f;
+    x[1] = -0.f;
+    x[2] = 1e30f;
+    x[3] = -1e30f;
+    x[4] = codec.thr[1] * 2.0f - 1.0f;  // exactly on a threshold: u = thr[1] (ties go up)
+    for (auto [z, sc] : {std::pair<float, float>{-1.f, 2.f}, {0.125f, 0.5f}, {-3e-5f, 7e-5f},
+                         {0.f, 0.f}}) {
+      const float inv = kvq::elem::int_inv(sc);
+      std::vector<uint8_t> codes(x.size());
+      codec.encode(x.data(), static_cast<int64_t>(x.size()), z, inv, codes.data());
+      std::vector<float> back(x.size());
+      codec.decode(codes.data(), static_cast<int64_t>(x.size()), sc, z, back.data());
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        ASSERT_EQ(kvq::elem::nuq_encode(codec.thr, bits, x[i], z, inv), codes[i])
+            << "bits " << bits << " x " << x[i] << " zero " << z << " scale " << sc;
+        ASSERT_EQ(bits_of(kvq::elem::nuq_decode(codec.lv, bits, codes[i], sc, z)), bits_of(back[i]));
+      }
+    }
+  }
 }
 
 TEST(Element, Fp8ParamsEqualTheCpuCodec) {

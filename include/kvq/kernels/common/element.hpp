@@ -35,6 +35,7 @@ enum class ElementStatus : int32_t {
   kNonFinite = 1,      ///< a NaN/Inf input element (CPU: kNonFinite)
   kZeroOverflow = 2,   ///< the zero point does not fit the metadata type (CPU: kOutOfRange)
   kScaleOverflow = 3,  ///< the scale or norm does not fit the metadata type (CPU: kOutOfRange)
+  kOutlierRange = 4,   ///< an isolated outlier does not fit fp16 (CPU: kOutOfRange)
 };
 
 /// a * b rounded once, never fused with a following addition.
@@ -43,6 +44,21 @@ KVQ_HOST_DEVICE float mul_rn(float a, float b) {
   return __fmul_rn(a, b);
 #else
   return a * b;
+#endif
+}
+
+/// a * b in double rounded once, never fused with a following addition or subtraction
+/// (__dmul_rn on the device; on the host the product is materialized, so no contraction
+/// setting of the host compiler can fuse it either).
+KVQ_HOST_DEVICE double mul_rn_d(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  double r = a * b;
+#if defined(__GNUC__)
+  __asm__ volatile("" : "+m"(r));
+#endif
+  return r;
 #endif
 }
 
@@ -189,6 +205,32 @@ KVQ_HOST_DEVICE uint8_t packed_byte(const uint8_t* codes, std::size_t n, int bit
 /// Sign of FWHT coordinate i from a packed sign mask (bit set: -1), as Rotation::signs().
 KVQ_HOST_DEVICE float sign_of(const uint32_t* mask, int i) {
   return ((mask[i >> 5] >> (i & 31)) & 1u) ? -1.f : 1.f;
+}
+
+/// nuq normalization parameters of a group spanning [lo, hi] (quant/nuq_quant.hpp nuq_params,
+/// same bits): zero = min, scale = max - min, both rounded to the metadata type.
+KVQ_HOST_DEVICE ElementStatus nuq_params(float lo, float hi, bool f16, GroupParams* p) {
+  p->zero = round_meta(f16, lo + 0.0f);
+  if (!is_finite_bits(p->zero)) return ElementStatus::kZeroOverflow;
+  float s = hi - p->zero;
+  if (!(s > 0.f)) s = 0.f;
+  p->scale = round_meta(f16, s);
+  if (!is_finite_bits(p->scale)) return ElementStatus::kScaleOverflow;
+  p->inv = int_inv(p->scale);
+  return ElementStatus::kOk;
+}
+
+/// nuq code of x: the nearest of the layer's levels to u = (x - zero) * inv, found against the
+/// 2^bits - 1 midpoint thresholds (format/nuq.hpp nuq_thresholds; ties go up).
+KVQ_HOST_DEVICE uint8_t nuq_encode(const float* thresholds, int bits, float x, float zero,
+                                   float inv) {
+  return codebook_encode(thresholds, bits, mul_rn(x - zero, inv));
+}
+
+/// nuq reconstruction fma(scale, level[code], zero), one rounding (NuqCodec::decode).
+KVQ_HOST_DEVICE float nuq_decode(const float* levels, int bits, uint8_t code, float scale,
+                                 float zero) {
+  return std::fma(scale, levels[code & ((1u << bits) - 1u)], zero);
 }
 
 /// Lloyd-Max code of x against 2^bits - 1 thresholds (format/codebook.hpp codebook_encode).

@@ -7,8 +7,11 @@
 ///
 /// Only headers under kernels/cuda/ include <cuda_runtime.h>; they need nvcc (.cu files).
 /// GPU support per format: f32/f16/bf16, int2/3/4/8 (any axis and group the page layout
-/// accepts), e4m3/e5m2, lm1..4 without QJL for power-of-two head_dim in [32, 256]. QJL, nuq and
-/// dense-and-sparse outliers are CPU-only for now: make_paged_desc throws kUnsupported.
+/// accepts), e4m3/e5m2, nuq2/3/4 (calibrated codebook), lm1..4 without QJL for power-of-two
+/// head_dim in [32, 256]. Dense-and-sparse outliers (over int, fp8, nuq) are read by the
+/// dequantize and decode-attention kernels (load_element applies the vector's exact outliers);
+/// writing them (AppendPlan) is CPU-only for now: quantize such pages with quantize_page().
+/// QJL is CPU-only: make_paged_desc throws kUnsupported.
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -19,6 +22,7 @@
 #include "kvq/kernels/common/element.hpp"
 #include "kvq/layout/page_layout.hpp"
 #include "kvq/quant/lloyd_max_quant.hpp"
+#include "kvq/quant/nuq_quant.hpp"
 
 namespace kvq {
 namespace cuda {
@@ -46,10 +50,16 @@ struct TensorDesc {
   // Lloyd-Max (power-of-two head_dim): y = H D1 x * scale.
   float lm_scale = 0.f;                   ///< 1/sqrt(head_dim), as Rotation
   uint32_t sign_mask[kMaxLmDim / 32] = {};  ///< D1: bit i set = -1
+  // Lloyd-Max: the codebook; nuq: the layer's levels (normalized space) and their midpoints.
   float centroids[16] = {};
   float thresholds[15] = {};
+  // Dense-and-sparse outliers: k per (token, head) vector, fp16 values and channel positions.
+  int32_t outliers = 0;   ///< k (0: none)
+  int32_t pos_bytes = 1;  ///< 1, or 2 (little-endian) when head_dim > 256
+  uint64_t out_values = 0, out_pos = 0;  ///< region offsets in the page
 
   KVQ_HOST_DEVICE bool is_lm() const { return format == static_cast<int32_t>(Format::kLloydMax); }
+  KVQ_HOST_DEVICE bool is_nuq() const { return format == static_cast<int32_t>(Format::kNuq); }
   /// Group box of element (t, h, d) of the page (GroupBox::index).
   KVQ_HOST_DEVICE int64_t box(int64_t t, int64_t h, int64_t d) const {
     return ((t / gt) * nh + h / gh) * nc + d / gc;
@@ -70,10 +80,6 @@ inline TensorDesc make_tensor_desc(const QuantConfig& c, const TensorRegions& r,
   const char* name = "make_paged_desc";
   KVQ_REQUIRE(!c.qjl, kUnsupported, name, ": ", c.name(),
               ": the QJL residual is not implemented on the GPU (CPU only)");
-  KVQ_REQUIRE(c.format != Format::kNuq, kUnsupported, name, ": ", c.name(),
-              ": nuq codebooks are not implemented on the GPU (CPU only)");
-  KVQ_REQUIRE(c.outliers == 0 && !(c.outlier_pct > 0.f), kUnsupported, name, ": ", c.name(),
-              ": dense-and-sparse outliers are not implemented on the GPU (CPU only)");
   TensorDesc d;
   d.format = static_cast<int32_t>(c.format);
   d.f16meta = c.meta == MetaDType::kF16 ? 1 : 0;
@@ -82,6 +88,15 @@ inline TensorDesc make_tensor_desc(const QuantConfig& c, const TensorRegions& r,
   d.zeros = r.zeros.offset;
   d.norms = r.norms.offset;
   d.has_zeros = r.zeros.bytes > 0 ? 1 : 0;
+  const int64_t k = outlier_count(c, s.head_dim);
+  if (k > 0) {
+    KVQ_REQUIRE(k <= s.head_dim && r.outlier_values.bytes > 0 && r.outlier_pos.bytes > 0,
+                kInvalidArgument, name, ": ", c.name(), ": layout lacks its outlier regions");
+    d.outliers = static_cast<int32_t>(k);
+    d.pos_bytes = outlier_pos_bytes(s.head_dim);
+    d.out_values = r.outlier_values.offset;
+    d.out_pos = r.outlier_pos.offset;
+  }
   switch (c.format) {
     case Format::kF32: d.bits = 32; break;
     case Format::kF16:
@@ -102,6 +117,14 @@ inline TensorDesc make_tensor_desc(const QuantConfig& c, const TensorRegions& r,
       KVQ_REQUIRE(mb < 0x7f800000u && c.fp8_margin > 0.f, kInvalidArgument, name, ": ", c.name(),
                   ": fp8 margin must be finite and > 0, got ", c.fp8_margin);
       d.margin = c.fp8_margin;
+      break;
+    }
+    case Format::kNuq: {
+      kvq::detail::require_nuq_codebook(c);
+      d.bits = c.bits;
+      const int n = 1 << c.bits;
+      for (int i = 0; i < n; ++i) d.centroids[i] = c.nuq_levels[static_cast<std::size_t>(i)];
+      nuq_thresholds(d.centroids, n, d.thresholds);
       break;
     }
     case Format::kLloydMax: {
@@ -127,7 +150,8 @@ inline TensorDesc make_tensor_desc(const QuantConfig& c, const TensorRegions& r,
     default:
       fail(ErrorKind::kUnsupported, name, ": format ", c.name(), " has no GPU kernels");
   }
-  if (c.format == Format::kInt || c.format == Format::kE4M3 || c.format == Format::kE5M2) {
+  if (c.format == Format::kInt || c.format == Format::kE4M3 || c.format == Format::kE5M2 ||
+      c.format == Format::kNuq) {
     const GroupBox b = group_box(c.axis, c.group, s);
     d.gt = b.gt;
     d.gh = b.gh;
@@ -157,12 +181,36 @@ inline PagedDesc make_paged_desc(const PageLayout& L) {
   return p;
 }
 
+/// The exact value of outlier channel d of vector v = t * H + h when d is one of its k
+/// positions (apply_outliers of quant/outlier_quant.hpp: the last of equal positions wins);
+/// false otherwise. Positions >= head_dim (corrupt pages; the CPU throws) match nothing.
+KVQ_HOST_DEVICE bool load_outlier(const TensorDesc& T, const uint8_t* page, int64_t v, int64_t d,
+                                  float* x) {
+  bool hit = false;
+  const int64_t k = T.outliers;
+  for (int64_t j = 0; j < k; ++j) {
+    const uint8_t* p = page + T.out_pos + static_cast<uint64_t>(T.pos_bytes * (v * k + j));
+    const int64_t c = T.pos_bytes == 1 ? p[0] : (p[0] | (p[1] << 8));
+    if (c == d) {
+      const uint8_t* b = page + T.out_values + static_cast<uint64_t>(2 * (v * k + j));
+      *x = half_bits_to_float(static_cast<uint16_t>(b[0] | (b[1] << 8)));
+      hit = true;
+    }
+  }
+  return hit;
+}
+
 /// Value of element (t, h, d) of one page tensor (t page-local): the dequantized value for the
-/// raw, int and fp8 formats (the CPU dequantizer's bits); for Lloyd-Max the rotated-domain
-/// coordinate norm * centroid (apply the inverse rotation to the vector for the value).
+/// raw, int, fp8 and nuq formats with their outliers (the CPU dequantizer's bits); for
+/// Lloyd-Max the rotated-domain coordinate norm * centroid (apply the inverse rotation to the
+/// vector for the value).
 KVQ_HOST_DEVICE float load_element(const TensorDesc& T, const uint8_t* page, int64_t H, int64_t D,
                                    int64_t t, int64_t h, int64_t d) {
   const auto i = static_cast<std::size_t>((t * H + h) * D + d);
+  if (T.outliers > 0) {
+    float x;
+    if (load_outlier(T, page, t * H + h, d, &x)) return x;
+  }
   const uint8_t* codes = page + T.codes;
   switch (static_cast<Format>(T.format)) {
     case Format::kF32: {
@@ -186,6 +234,12 @@ KVQ_HOST_DEVICE float load_element(const TensorDesc& T, const uint8_t* page, int
       const auto g = static_cast<std::size_t>(T.box(t, h, d));
       const float s = elem::load_meta(page + T.scales, T.f16meta != 0, g);
       return elem::fp8_decode_scaled(T.e5m2 != 0, codes[i], s);
+    }
+    case Format::kNuq: {
+      const auto g = static_cast<std::size_t>(T.box(t, h, d));
+      const float s = elem::load_meta(page + T.scales, T.f16meta != 0, g);
+      const float z = elem::load_meta(page + T.zeros, T.f16meta != 0, g);
+      return elem::nuq_decode(T.centroids, T.bits, elem::get_code(codes, i, T.bits), s, z);
     }
     case Format::kLloydMax: {
       const float n = elem::load_meta(page + T.norms, T.f16meta != 0,
