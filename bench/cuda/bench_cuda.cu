@@ -6,7 +6,9 @@
 //   decode      DecodePlan::run, one query per head, 32 query heads over 8 kv heads, head_dim 128,
 //               over 8k / 32k / 128k tokens: page bytes read / time, and KV tokens per second
 // for the schemes f16, fp8 (e4m3 per token), k8v4 (int8 per-channel g64 keys, int4 per-token g32
-// values) and kivi4 (int4 per-channel g32 keys, int4 per-token g32 values).
+// values), kivi4 (int4 per-channel g32 keys, int4 per-token g32 values), and KVQuant's formats:
+// kivi4-out1 (kivi4 with 1% dense-and-sparse outliers), nuq3 (per-channel g32 keys, per-token g32
+// values, a fixed codebook) and nuq3-out1.
 // Without a visible device it prints why and exits 0 (nothing to measure). Output: one line per
 // measurement, "name<TAB>metric=value ..." (bench/cuda/run_device_checks.sh tabulates it).
 #include <cuda_runtime.h>
@@ -66,6 +68,20 @@ kvq::QuantConfig cfg(kvq::Format f, int bits, kvq::Axis axis, int64_t group) {
   return c;
 }
 
+/// nuq<bits> with a fixed codebook (timing does not depend on the learned levels).
+kvq::QuantConfig nuq(int bits, kvq::Axis axis, int64_t group, int outliers_pct = 0) {
+  kvq::QuantConfig c = cfg(kvq::Format::kNuq, bits, axis, group);
+  const int n = 1 << bits;
+  for (int i = 0; i < n; ++i) c.nuq_levels[static_cast<std::size_t>(i)] = static_cast<float>(i) / (n - 1);
+  c.nuq_ready = true;
+  c.outlier_pct = static_cast<float>(outliers_pct);
+  return c;
+}
+kvq::QuantConfig with_pct(kvq::QuantConfig c, float pct) {
+  c.outlier_pct = pct;
+  return c;
+}
+
 struct Scheme {
   const char* name;
   kvq::QuantConfig k, v;
@@ -108,6 +124,10 @@ int main(int argc, char** argv) {
       {"fp8", cfg(kvq::Format::kE4M3, 8, kvq::Axis::kToken, 0), cfg(kvq::Format::kE4M3, 8, kvq::Axis::kToken, 0)},
       {"k8v4", cfg(kvq::Format::kInt, 8, kvq::Axis::kChannel, 64), cfg(kvq::Format::kInt, 4, kvq::Axis::kToken, 32)},
       {"kivi4", cfg(kvq::Format::kInt, 4, kvq::Axis::kChannel, 32), cfg(kvq::Format::kInt, 4, kvq::Axis::kToken, 32)},
+      {"kivi4-out1", with_pct(cfg(kvq::Format::kInt, 4, kvq::Axis::kChannel, 32), 1.f),
+       with_pct(cfg(kvq::Format::kInt, 4, kvq::Axis::kToken, 32), 1.f)},
+      {"nuq3", nuq(3, kvq::Axis::kChannel, 32), nuq(3, kvq::Axis::kToken, 32)},
+      {"nuq3-out1", nuq(3, kvq::Axis::kChannel, 32, 1), nuq(3, kvq::Axis::kToken, 32, 1)},
   };
   std::vector<int64_t> lengths = {8192, 32768, 131072};
   if (quick) lengths = {8192, 32768};

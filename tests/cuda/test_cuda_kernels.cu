@@ -326,6 +326,48 @@ TEST(HostEmulated, AppendWritesTheBytesOfQuantizePage) {
   }
 }
 
+// head_dim 320: outlier positions take two bytes (little-endian) and channels past 255 must
+// round-trip; head_dim 128: k = ceil(1% of 128) = 2. Append and dequantize, bytes and bits.
+TEST(HostEmulated, OutliersAtWideHeads) {
+  for (int64_t D : {int64_t{128}, int64_t{320}}) {
+    const Pair pr{"int4 token g64 out1% / nuq3 channel g32 out3",
+                  with_outliers(int_cfg(4, Axis::kToken, 64), 0, 1.f),
+                  with_outliers(nuq_cfg(3, Axis::kChannel, 32), 3)};
+    SCOPED_TRACE("head_dim " + std::to_string(D));
+    const PageLayout L = kvq::make_page_layout(pr.k, pr.v, kP, kH, D);
+    const kvq::cuda::PagedDesc desc = kvq::cuda::make_paged_desc(L);
+    EXPECT_EQ(desc.k.pos_bytes, D > 256 ? 2 : 1);
+    EXPECT_EQ(desc.k.outliers, (D + 99) / 100);
+    for (Input in : {Input::kGaussian, Input::kOutlierChannels}) {
+      SCOPED_TRACE(to_string(in));
+      auto k = make_input(in, kP, kH, D, 70), v = make_input(in, kP, kH, D, 71);
+      for (int64_t t = 0; t < kP; ++t) k[static_cast<std::size_t>((t * kH) * D + D - 3)] += 50.f;
+      Pages cpu = zero_pages(L, 1), emu = zero_pages(L, 1);
+      cpu_append(L, cpu, 0, k, v, kP);
+      kvq::cuda::AppendStatus st;
+      emulated_append(L, emu, 0, k, v, kP, st);
+      ASSERT_EQ(st.code, 0);
+      EXPECT_EQ(first_difference(L, cpu, emu), "");
+      std::vector<float> ck, cv;
+      cpu_dequantize(L, cpu, kP, ck, cv);
+      std::vector<float> gk(ck.size()), gv(cv.size());
+      std::vector<const std::byte*> ptrs = {cpu[0].data()};
+      for (int64_t i = 0; i < static_cast<int64_t>(ck.size()); ++i) {
+        kvq::cuda::detail::dequantize_element(desc.k, ptrs.data(), kP, kH, D, i, gk.data());
+        kvq::cuda::detail::dequantize_element(desc.v, ptrs.data(), kP, kH, D, i, gv.data());
+      }
+      EXPECT_TRUE(same_bits(ck, gk)) << "keys";
+      EXPECT_TRUE(same_bits(cv, gv)) << "values";
+      // Gaussian input: channel D - 3 of every token's head 0 is its vector's largest outlier,
+      // read back exact (to fp16), through a position above 255 when D = 320.
+      for (int64_t t = 0; in == Input::kGaussian && t < kP; ++t) {
+        const auto i = static_cast<std::size_t>((t * kH) * D + D - 3);
+        EXPECT_EQ(gk[i], kvq::to_float(kvq::f16(k[i]))) << "token " << t;
+      }
+    }
+  }
+}
+
 TEST(HostEmulated, AppendReportsNonFiniteAndOverflowLikeTheCpu) {
   const QuantConfig c = int_cfg(4, Axis::kToken, 32);
   const PageLayout L = kvq::make_page_layout(c, c, kP, kH, kD);
