@@ -71,12 +71,8 @@ QuantConfig lm_cfg(int bits, kvq::MetaDType meta = kvq::MetaDType::kF16) {
 
 /// nuq<bits> with a fixed, non-uniform codebook (levels in the normalized space [0, 1]).
 QuantConfig nuq_cfg(int bits, Axis axis, int64_t group, kvq::MetaDType meta = kvq::MetaDType::kF16) {
-  QuantConfig c;
+  QuantConfig c = int_cfg(bits, axis, group, false, meta);  // same grouping fields
   c.format = Format::kNuq;
-  c.bits = bits;
-  c.axis = axis;
-  c.group = group;
-  c.meta = meta;
   const int n = 1 << bits;
   for (int i = 0; i < n; ++i) {  // denser near the ends, as learned codebooks of KV data are
     const double u = static_cast<double>(i) / (n - 1);
@@ -301,6 +297,18 @@ void emulated_append(const PageLayout& layout, Pages& pages, int64_t pos,
 
 constexpr int64_t kP = 64, kH = 2, kD = 64;
 
+/// The kvq::ErrorKind f() throws, as an int; -1 when it returns.
+template <class F>
+int error_kind(F&& f) {
+  try {
+    f();
+  } catch (const kvq::Error& e) {
+    return static_cast<int>(e.kind());
+  }
+  return -1;
+}
+const int kOutOfRange = static_cast<int>(kvq::ErrorKind::kOutOfRange);
+
 TEST(HostEmulated, AppendWritesTheBytesOfQuantizePage) {
   std::vector<Pair> all = elementwise_pairs();
   for (const Pair& p : outlier_pairs()) all.push_back(p);
@@ -390,12 +398,8 @@ TEST(HostEmulated, AppendReportsNonFiniteAndOverflowLikeTheCpu) {
   emulated_append(L, pages, 0, k, v, kP, st2);
   EXPECT_EQ(st2.code, static_cast<int32_t>(kvq::elem::ElementStatus::kScaleOverflow));
   Pages cpu = zero_pages(L, 1);
-  try {
-    cpu_append(L, cpu, 0, k, v, kP);
-    ADD_FAILURE() << "the CPU accepted a group beyond fp16 metadata";
-  } catch (const kvq::Error& e) {
-    EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
-  }
+  EXPECT_EQ(error_kind([&] { cpu_append(L, cpu, 0, k, v, kP); }), kOutOfRange)
+      << "the CPU must refuse a group beyond fp16 metadata";
   // Outliers: an isolated value beyond fp16 (f32 metadata, so the dense part is fine) is
   // kOutOfRange on the CPU and kOutlierRange in the status word; NaN still comes first.
   const QuantConfig o = with_outliers(int_cfg(4, Axis::kToken, 32, false, kvq::MetaDType::kF32), 2);
@@ -408,19 +412,10 @@ TEST(HostEmulated, AppendReportsNonFiniteAndOverflowLikeTheCpu) {
   EXPECT_EQ(st3.code, static_cast<int32_t>(kvq::elem::ElementStatus::kOutlierRange));
   EXPECT_EQ(st3.tensor, 1);
   EXPECT_EQ(st3.where, 300);
-  try {
-    kvq::cuda::AppendPlan::throw_status(st3);
-    ADD_FAILURE() << "no error for an outlier beyond fp16";
-  } catch (const kvq::Error& e) {
-    EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
-  }
+  EXPECT_EQ(error_kind([&] { kvq::cuda::AppendPlan::throw_status(st3); }), kOutOfRange);
   Pages co = zero_pages(Lo, 1);
-  try {
-    cpu_append(Lo, co, 0, ko, vo, kP);
-    ADD_FAILURE() << "the CPU accepted an outlier beyond fp16";
-  } catch (const kvq::Error& e) {
-    EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
-  }
+  EXPECT_EQ(error_kind([&] { cpu_append(Lo, co, 0, ko, vo, kP); }), kOutOfRange)
+      << "the CPU must refuse an outlier beyond fp16";
   vo[5] = NAN;
   kvq::cuda::AppendStatus st4;
   emulated_append(Lo, po, 0, ko, vo, kP, st4);
@@ -459,14 +454,7 @@ TEST(HostEmulated, DequantizeGivesTheBitsOfDequantizePage) {
 }
 
 TEST(HostEmulated, PlansRejectWhatTheKernelsDoNotImplement) {
-  auto kind_of = [](auto&& f) {
-    try {
-      f();
-    } catch (const kvq::Error& e) {
-      return static_cast<int>(e.kind());
-    }
-    return -1;
-  };
+  auto kind_of = [](auto&& f) { return error_kind(f); };
   const int unsupported = static_cast<int>(kvq::ErrorKind::kUnsupported);
   const int invalid = static_cast<int>(kvq::ErrorKind::kInvalidArgument);
   QuantConfig qjl = lm_cfg(3);
