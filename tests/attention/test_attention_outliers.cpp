@@ -180,6 +180,21 @@ TEST(OutlierAttention, InKernelOutliersEqualTheOracle) {
     }
 }
 
+// head_dim 320: two-byte outlier positions (channels past 255) in the kernels' sparse step
+// (the AVX2 gathers read them four bytes at a time) and the scalar step at the regions' ends.
+TEST(OutlierAttention, TwoBytePositionsEqualTheOracle) {
+  for (const char* spec : {"k=int4/channel/g32/out2,v=int4/token/g32/out1%,residual=32",
+                           "k=nuq3/channel/g32/out1%,v=nuq3/token/g64/out2,sinks=2"}) {
+    const kvq::KVCache c = filled_cache(spec, 2, 320, 150, 70, 18, 19);
+    kvq::AttentionOptions opt;
+    kvq::AttentionWorkspace ws;
+    for (int64_t nq : {int64_t{1}, int64_t{9}}) {
+      EXPECT_LE(fused_error(c, 8, nq, nullptr, opt, ws), 2e-5) << spec << " nq=" << nq;
+      EXPECT_TRUE(ws.w.decoded.empty()) << spec << ": pages were decoded to rows";
+    }
+  }
+}
+
 TEST(OutlierAttention, UncalibratedNuqCacheIsRefused) {
   const int64_t H = 1, D = 32;
   auto make_and_fill = [&] {
