@@ -151,6 +151,8 @@ TEST(OutlierAttention, InKernelOutliersEqualTheOracle) {
       "k=sint3/channel/g32/out1,v=int3/token/g32/out3,residual=16",
       "k=int2/channel/g32/out2,v=int2/token/g32/out2,residual=32,sinks=4",
       "k=e5m2/tensor/out2,v=int8/head/out1",
+      "k=e5m2/token/out1%,v=e5m2/head/out2/f32meta",
+      "k=int4/channel/g32/out1/f32meta,v=nuq3/token/g32/out2/f32meta",
       "k=int4/head/out4,v=f16",
       "k=nuq4/channel/g32,v=nuq4/token/g32,residual=16",
       "k=nuq3/channel/g32/out1%,v=nuq3/token/g32/out2,sinks=2",

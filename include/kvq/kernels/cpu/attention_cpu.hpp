@@ -1562,9 +1562,9 @@ class Unit {
 
   /// The sparse part of tokens [loc0, loc0 + n) (n <= kTile), head h, as a table: channel
   /// sc_.opos[j * kTile + t] and difference sc_.odv[j * kTile + t] of outlier j of token t (the
-  /// values for_outlier_deltas gives). With AVX2, int / nuq codes are read eight tokens at a
-  /// time with gathers (outlier_table8); blocks near the end of the view's regions (a gather
-  /// reads 4 bytes from each address) and other formats take the scalar path.
+  /// values for_outlier_deltas gives). With AVX2 the codes are read eight tokens at a time with
+  /// gathers (outlier_table8); blocks near the end of the view's regions (a gather reads 4
+  /// bytes from each address) and shapes it does not take go through the scalar path.
   void outlier_table(const Stream& st, int64_t loc0, int64_t n, int64_t h) const {
     const int64_t k = st.nout;
     const auto need = static_cast<std::size_t>(k * kTile);
@@ -1576,7 +1576,7 @@ class Unit {
     float* dv = sc_.odv.data();
     int64_t t0 = 0;
 #if KVQ_HAS_AVX2 && KVQ_HAS_F16C
-    if (st.load != Load::kE4M3 && st.load != Load::kE5M2) t0 = outlier_table8(st, loc0, n, h, pos, dv);
+    t0 = outlier_table8(st, loc0, n, h, pos, dv);
 #endif
     int64_t i = 0;  // outliers arrive token by token, k per token
     for_outlier_deltas(st, loc0 + t0, n - t0, h, [&](int64_t t, int64_t c, float d) {
@@ -1587,9 +1587,10 @@ class Unit {
   }
 
 #if KVQ_HAS_AVX2 && KVQ_HAS_F16C
-  /// outlier_table for int / nuq codes, eight tokens at a time: fills tokens [0, m) and returns
-  /// m (a multiple of 8; 0 when the view's shape does not suit the vector path). Same
-  /// arithmetic as outlier_deltas: dense = fma(code or level, scale * mul, zero - off * scale).
+  /// outlier_table eight tokens at a time: fills tokens [0, m) and returns m (a multiple of 8;
+  /// 0 when the view's shape does not suit the vector path). Same arithmetic as
+  /// outlier_deltas: dense = fma(c, scale * mul, zero - off * scale), c the int code, the nuq
+  /// level, or the fp8 code's value as fp16 (e4m3: exponent rebased, mul = 2^8).
   static int64_t outlier_table8(const Stream& st, int64_t loc0, int64_t n, int64_t h,
                                 int32_t* pos, float* dv) {
     const PackedView& v = st.view;
@@ -1616,6 +1617,7 @@ class Unit {
     const __m256 vmul = _mm256_set1_ps(st.mul), voff = _mm256_set1_ps(st.off);
     const __m256 lut_lo = _mm256_loadu_ps(st.lut), lut_hi = _mm256_loadu_ps(st.lut + 8);
     const int64_t hb = h / b.gh;
+    const bool e4m3 = st.load == Load::kE4M3, e5m2 = st.load == Load::kE5M2;
     auto f16x8 = [&](__m256i w) {  // low 16 bits of each lane -> 8 floats
       const __m256i p = _mm256_packus_epi32(_mm256_and_si256(w, m16), _mm256_setzero_si256());
       return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(p, 0x08)));
@@ -1664,7 +1666,13 @@ class Unit {
         const __m256i code = _mm256_and_si256(
             _mm256_srlv_epi32(w, _mm256_and_si256(bit, _mm256_set1_epi32(7))), cmask);
         __m256 cf;
-        if (st.nuq) {  // level[code]: two 8-entry tables, the high one where code >= 8
+        if (e4m3) {  // sign to bit 15, exponent and mantissa to bits 7..14 (Simd256::from_e4m3)
+          cf = f16x8(_mm256_or_si256(
+              _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(0x80)), 8),
+              _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(0x7f)), 7)));
+        } else if (e5m2) {
+          cf = f16x8(_mm256_slli_epi32(code, 8));
+        } else if (st.nuq) {  // level[code]: two 8-entry tables, the high one where code >= 8
           cf = _mm256_blendv_ps(_mm256_permutevar8x32_ps(lut_lo, code),
                                 _mm256_permutevar8x32_ps(lut_hi, code),
                                 _mm256_castsi256_ps(_mm256_slli_epi32(code, 28)));
