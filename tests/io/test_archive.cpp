@@ -770,6 +770,46 @@ TEST(ArchiveCorruption, WrongMagicVersionEndiannessAndHostileFields) {
   EXPECT_EQ(same, good);
 }
 
+// Outlier positions are the one index inside a page: a hostile writer that resealed every CRC
+// still cannot hand the attention kernels a channel outside head_dim.
+TEST(ArchiveCorruption, OutlierPositionOutsideHeadDimIsRefused) {
+  KVCache c(kvq::parse_policy("k=int4/channel/g8/out1,v=int4/token/g8/out2,residual=4"), 1, 2, 8);
+  fill(c, 39, 7);
+  const std::vector<uint8_t> good = io::save_archive_bytes(c);
+  ASSERT_EQ(verify_error(good), "");
+  io::ArchiveReader rd(good.data(), good.size());
+  const io::ArchiveInfo& info = rd.info();
+  const kvq::PageLayout& L = info.layers[0].layout;
+  int pages = 0;
+  for (const io::ArchiveRecord& r : info.records) {
+    if (r.kind != io::RecordKind::kPage) continue;
+    ++pages;
+    for (int t = 0; t < 2; ++t) {
+      const kvq::PageRegion& g = t == 0 ? L.k.outlier_pos : L.v.outlier_pos;
+      ASSERT_GT(g.bytes, 0u);
+      for (uint8_t bad : {uint8_t{8}, uint8_t{255}}) {
+        std::vector<uint8_t> img = good;
+        img[r.payload_offset() + g.offset + g.bytes - 1] = bad;  // the last vector's last outlier
+        io::detail::reseal_archive(img);
+        kvq::ErrorKind kind{};
+        const std::string e = verify_error(img, &kind);
+        EXPECT_EQ(kind, kvq::ErrorKind::kIo) << e;
+        EXPECT_NE(e.find(std::string(t == 0 ? "key" : "value") + " outlier position " +
+                         std::to_string(bad)), std::string::npos) << e;
+        EXPECT_NE(e.find(r.name()), std::string::npos) << e;
+        EXPECT_THROW(io::load_archive_bytes(img.data(), img.size()), kvq::Error);
+      }
+    }
+  }
+  EXPECT_GE(pages, 2);
+  // Position 7 (a channel) is fine once resealed: only the index is judged, not the choice.
+  std::vector<uint8_t> img = good;
+  for (const io::ArchiveRecord& r : info.records)
+    if (r.kind == io::RecordKind::kPage) img[r.payload_offset() + L.k.outlier_pos.offset] = 7;
+  io::detail::reseal_archive(img);
+  EXPECT_EQ(verify_error(img), "");
+}
+
 // The layout of QuantConfig, Policy and KVCacheOptions is what the archive's config records
 // cover. A new field must be added to the format (and kArchiveVersion bumped): this fails first.
 TEST(Archive, FormatCoversEveryConfigField) {

@@ -1115,6 +1115,32 @@ inline void check_rows(const std::string& name, const ArchiveRecord& r, const fl
 /// named as reordered, duplicated or damaged), its payload goes to `dst` (nullptr: checked in
 /// place when the source is in memory, or through a scratch buffer) and must match its CRC, its
 /// padding must be zero. Returns the CRC-32C of the record's bytes continued from `file_crc`.
+/// Checks the one kind of index a page's bytes hold: every dense-and-sparse outlier position
+/// must be a channel (< head_dim), since the attention kernels and dequantization index codes
+/// and queries by it. A CRC cannot vouch for that (a hostile writer reseals), so a page that
+/// breaks it is refused here, naming the record, tensor and byte.
+inline void check_page_outliers(const ArchiveInfo& info, const ArchiveRecord& r,
+                                const uint8_t* page, std::size_t bytes) {
+  const PageLayout& L = info.layers[static_cast<std::size_t>(r.layer)].layout;
+  const int64_t D = info.head_dim;
+  const int pb = outlier_pos_bytes(D);
+  const PageRegion* regions[2] = {&L.k.outlier_pos, &L.v.outlier_pos};
+  for (int t = 0; t < 2; ++t) {
+    const PageRegion& g = *regions[t];
+    if (g.bytes == 0) continue;
+    KVQ_REQUIRE(g.offset + g.bytes <= bytes, kIo, info.source, ": ", r.name(), ": ", bytes,
+                " payload bytes do not hold the outlier positions the layout places at [",
+                g.offset, ", ", g.offset + g.bytes, ")");
+    const uint8_t* p = page + g.offset;
+    for (std::size_t i = 0; i + static_cast<std::size_t>(pb) <= g.bytes; i += static_cast<std::size_t>(pb)) {
+      const int64_t c = pb == 1 ? p[i] : (p[i] | (p[i + 1] << 8));
+      KVQ_REQUIRE(c < D, kIo, info.source, ": ", r.name(), ": ", t == 0 ? "key" : "value",
+                  " outlier position ", c, " at page byte ", g.offset + i,
+                  " is not a channel of head_dim ", D, " (corrupt or hostile page)");
+    }
+  }
+}
+
 inline uint32_t read_record(const Source& src, const ArchiveInfo& info, const ArchiveRecord& r,
                             void* dst, uint32_t file_crc, std::vector<uint8_t>& scratch) {
   const std::string& name = info.source;
@@ -1149,6 +1175,7 @@ inline uint32_t read_record(const Source& src, const ArchiveInfo& info, const Ar
   const uint32_t pc = crc32c(payload, n);
   KVQ_REQUIRE(pc == r.payload_crc, kIo, name, ": ", r.name(), ": payload CRC-32C mismatch (stored ",
               hex32(r.payload_crc), ", computed ", hex32(pc), ")");
+  if (r.kind == RecordKind::kPage) check_page_outliers(info, r, payload, n);
   file_crc = crc32c(payload, n, file_crc);
   const std::size_t pad = static_cast<std::size_t>(r.extent() - kArchiveRecordHeaderBytes - r.payload_bytes);
   if (pad > 0) {
