@@ -802,6 +802,7 @@ TEST(ArchiveCorruption, OutlierPositionOutsideHeadDimIsRefused) {
     }
   }
   EXPECT_GE(pages, 2);
+  std::printf("outlier positions outside head_dim: %d pages x 2 tensors x 2 values refused\n", pages);
   // Position 7 (a channel) is fine once resealed: only the index is judged, not the choice.
   std::vector<uint8_t> img = good;
   for (const io::ArchiveRecord& r : info.records)
