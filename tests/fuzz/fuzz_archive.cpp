@@ -5,9 +5,10 @@
 /// Each input runs twice: as it is (the checksums must refuse almost every mutation), and
 /// resealed — every CRC recomputed by io::detail::reseal_archive — so that mutated fields reach
 /// the structural and semantic checks behind the checksums (counts, offsets, token ranges,
-/// configs, f32 rows). Errors must be kvq::Error of the file kinds (kIo, kUnsupported);
-/// dequantizing hostile page bytes may also report kInvalidArgument (an outlier position
-/// beyond head_dim: the decoders' own validation).
+/// configs, f32 rows, page outlier positions). Errors must be kvq::Error of the file kinds
+/// (kIo, kUnsupported); kInvalidArgument from dequantizing hostile page bytes (an outlier
+/// position beyond head_dim, the decoders' own check) is still allowed, although the reader
+/// now refuses such pages first (kIo).
 /// Properties on success: verify() accepts what the reader accepted; the loaded cache's
 /// token split matches the archive's footer; re-saving it gives an archive that loads to the
 /// same stored bytes and re-saves to the same bytes; prefix and layer loads succeed and give
