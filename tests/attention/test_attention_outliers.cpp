@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -193,6 +194,42 @@ TEST(OutlierAttention, TwoBytePositionsEqualTheOracle) {
     for (int64_t nq : {int64_t{1}, int64_t{9}}) {
       EXPECT_LE(fused_error(c, 8, nq, nullptr, opt, ws), 2e-5) << spec << " nq=" << nq;
       EXPECT_TRUE(ws.w.decoded.empty()) << spec << ": pages were decoded to rows";
+    }
+  }
+}
+
+// A corrupt outlier position (>= head_dim; quantizers never write one and the archive reader
+// refuses it) must not take the kernels outside their buffers: it reads as the last channel,
+// so the output equals that of the same page holding head_dim - 1 there, bit for bit. Every
+// position of the first page is corrupted (the gathered blocks and the scalar tail), keys
+// decoded and pre-RoPE.
+const kvq::RopeConfig kRope{};
+
+TEST(OutlierAttention, CorruptPositionsStayInsideTheVector) {
+  const int64_t H = 2, D = 64, nh = 8;
+  for (const char* spec : {"k=int4/token/g32/out2,v=int4/token/g32/out1%",
+                           "k=e4m3/token/out1,v=nuq3/token/g32/out2"}) {
+    kvq::KVCache bad = filled_cache(spec, H, D, 150, 70, 18, 19);
+    kvq::KVCache last = filled_cache(spec, H, D, 150, 70, 18, 19);
+    auto poke = [&](kvq::KVCache& c, uint8_t v) {
+      const kvq::PageTable pt = c.page_table(0);
+      ASSERT_GE(pt.n_pages, 1);
+      auto* page = const_cast<std::byte*>(pt.pages[0]);
+      for (const kvq::PageRegion* g : {&pt.layout.k.outlier_pos, &pt.layout.v.outlier_pos})
+        std::memset(page + g->offset, v, g->bytes);
+    };
+    poke(bad, 200);
+    poke(last, static_cast<uint8_t>(D - 1));
+    const auto q = kvq_test::kv_data({3, nh, D}, 77, false);
+    for (const kvq::RopeConfig* rope : {static_cast<const kvq::RopeConfig*>(nullptr), &kRope}) {
+      std::vector<float> ob(q.size()), ol(q.size());
+      kvq::AttentionWorkspace ws;
+      kvq::attend(bad, 0, KVView<const float>::nhd(q.data(), 3, nh, D),
+                  KVView<float>::nhd(ob.data(), 3, nh, D), true, ws, rope);
+      kvq::attend(last, 0, KVView<const float>::nhd(q.data(), 3, nh, D),
+                  KVView<float>::nhd(ol.data(), 3, nh, D), true, ws, rope);
+      EXPECT_EQ(std::memcmp(ob.data(), ol.data(), ob.size() * sizeof(float)), 0)
+          << spec << (rope ? " pre-RoPE" : "");
     }
   }
 }

@@ -147,7 +147,9 @@ TEST(FusedAttention, ShapesGqaThreadsAndSegments) {
                          "k=lm4,v=lm4",
                          "k=lm3/qjl,v=sint3/token/g32,sinks=5",
                          "k=int2/channel/g32,v=int2/token/g32,residual=32,sinks=4",
-                         "k=e5m2/token,v=bf16,sinks=2"};
+                         "k=e5m2/token,v=bf16,sinks=2",
+                         // dense-and-sparse (the sparse step's gathers under the sanitizers)
+                         "k=int4/channel/g32/out2,v=e4m3/token/out1%,residual=32"};
   for (int64_t D : {64, 96, 128, 256, 40, 8})
     for (const char* spec : specs)
       for (int G : {1, 4, 8})

@@ -1472,13 +1472,17 @@ class Unit {
   // (values). Dequantization writes the exact values over the dense ones, so dense + this
   // difference is what the oracle reads.
 
-  /// Channel and exact (fp16) value of outlier i of a view (vector-major, k per vector).
+  /// Channel and exact (fp16) value of outlier i of a view (vector-major, k per vector). A
+  /// position outside head_dim (a corrupt page: quantizers never write one, the archive reader
+  /// and dequantize refuse it) is clamped to the last channel, so the kernels stay inside
+  /// their buffers whatever the page holds.
   static std::pair<int64_t, float> outlier_at(const PackedView& v, std::size_t i) {
     uint16_t hb;
     std::memcpy(&hb, v.outlier_values + 2 * i, 2);
-    const int64_t pos = v.shape.head_dim > 256 ? (v.outlier_pos[2 * i] | (v.outlier_pos[2 * i + 1] << 8))
-                                               : v.outlier_pos[i];
-    return {pos, half_bits_to_float_fast(hb)};
+    const int64_t D = v.shape.head_dim;
+    const int64_t pos = D > 256 ? (v.outlier_pos[2 * i] | (v.outlier_pos[2 * i + 1] << 8))
+                                : v.outlier_pos[i];
+    return {pos < D ? pos : D - 1, half_bits_to_float_fast(hb)};
   }
 
   /// f(channel, exact value) for the outliers of vector (loc, h).
@@ -1613,6 +1617,7 @@ class Unit {
     const __m256i m16 = _mm256_set1_epi32(0xffff);
     const __m256i cmask = _mm256_set1_epi32((1 << st.bits) - 1);
     const __m256i vD = _mm256_set1_epi32(static_cast<int>(D));
+    const __m256i vDm1 = _mm256_set1_epi32(static_cast<int>(D - 1));
     const __m256i vbits = _mm256_set1_epi32(st.bits);
     const __m256 vmul = _mm256_set1_ps(st.mul), voff = _mm256_set1_ps(st.off);
     const __m256 lut_lo = _mm256_loadu_ps(st.lut), lut_hi = _mm256_loadu_ps(st.lut + 8);
@@ -1658,6 +1663,7 @@ class Unit {
         __m256i c = _mm256_i32gather_epi32(reinterpret_cast<const int*>(v.outlier_pos),
                                            pb == 2 ? _mm256_add_epi32(o, o) : o, 1);
         c = _mm256_and_si256(c, pb == 2 ? m16 : _mm256_set1_epi32(0xff));
+        c = _mm256_min_epi32(c, vDm1);  // as outlier_at: corrupt positions stay in the vector
         const __m256 val = f16x8(_mm256_i32gather_epi32(
             reinterpret_cast<const int*>(v.outlier_values), _mm256_add_epi32(o, o), 1));
         const __m256i bit = _mm256_mullo_epi32(_mm256_add_epi32(e0, c), vbits);
