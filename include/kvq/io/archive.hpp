@@ -1111,10 +1111,6 @@ inline void check_rows(const std::string& name, const ArchiveRecord& r, const fl
     }
 }
 
-/// Reads record `r`: its header at r.offset must be the one the index describes (else it is
-/// named as reordered, duplicated or damaged), its payload goes to `dst` (nullptr: checked in
-/// place when the source is in memory, or through a scratch buffer) and must match its CRC, its
-/// padding must be zero. Returns the CRC-32C of the record's bytes continued from `file_crc`.
 /// Checks the one kind of index a page's bytes hold: every dense-and-sparse outlier position
 /// must be a channel (< head_dim), since the attention kernels and dequantization index codes
 /// and queries by it. A CRC cannot vouch for that (a hostile writer reseals), so a page that
@@ -1141,6 +1137,11 @@ inline void check_page_outliers(const ArchiveInfo& info, const ArchiveRecord& r,
   }
 }
 
+/// Reads record `r`: its header at r.offset must be the one the index describes (else it is
+/// named as reordered, duplicated or damaged), its payload goes to `dst` (nullptr: checked in
+/// place when the source is in memory, or through a scratch buffer) and must match its CRC, its
+/// padding must be zero; a page's outlier positions must be channels (check_page_outliers).
+/// Returns the CRC-32C of the record's bytes continued from `file_crc`.
 inline uint32_t read_record(const Source& src, const ArchiveInfo& info, const ArchiveRecord& r,
                             void* dst, uint32_t file_crc, std::vector<uint8_t>& scratch) {
   const std::string& name = info.source;

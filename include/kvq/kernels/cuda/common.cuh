@@ -8,10 +8,9 @@
 /// Only headers under kernels/cuda/ include <cuda_runtime.h>; they need nvcc (.cu files).
 /// GPU support per format: f32/f16/bf16, int2/3/4/8 (any axis and group the page layout
 /// accepts), e4m3/e5m2, nuq2/3/4 (calibrated codebook), lm1..4 without QJL for power-of-two
-/// head_dim in [32, 256]. Dense-and-sparse outliers (over int, fp8, nuq) are read by the
-/// dequantize and decode-attention kernels (load_element applies the vector's exact outliers);
-/// writing them (AppendPlan) is CPU-only for now: quantize such pages with quantize_page().
-/// QJL is CPU-only: make_paged_desc throws kUnsupported.
+/// head_dim in [32, 256], and dense-and-sparse outliers over int, fp8 and nuq (load_element
+/// applies a vector's exact outliers; AppendPlan selects them, at most kMaxGpuOutliers per
+/// vector). QJL is CPU-only: make_paged_desc throws kUnsupported.
 #include <cuda_runtime.h>
 
 #include <cstddef>
