@@ -350,6 +350,7 @@ TEST(OutlierQuant, FusedAndSlabPathsMatchOracle) {
                     {kvq::Axis::kToken, 16, {24, 2, 64}, 0.f, 3},
                     {kvq::Axis::kToken, 64, {8, 2, 64}, 0.f, 64},   // every entry an outlier
                     {kvq::Axis::kToken, 12, {8, 2, 36}, 0.f, 2},    // group not a multiple of 8
+                    {kvq::Axis::kToken, 24, {8, 2, 96}, 0.f, 2},    // 8-multiple, not a power of 2
                     {kvq::Axis::kChannel, 32, {640, 2, 64}, 1.f, 0},  // several slabs
                     {kvq::Axis::kChannel, 16, {48, 2, 128}, 1.f, 0},  // k = 2
                     {kvq::Axis::kChannel, 8, {64, 3, 32}, 0.f, 4},    // k = 4

@@ -165,14 +165,20 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
   float* hi = QuantWorkspace::at_least(ws.hi, R * unp);
   int32_t* sel = QuantWorkspace::at_least(ws.sel, static_cast<std::size_t>(R * k));
   float* vals = QuantWorkspace::at_least(ws.ovals, static_cast<std::size_t>(R * k));
-  // Per group zero / inv (and scale), then per 8-code chunk zero / inv.
-  float* pz = QuantWorkspace::at_least(ws.zv, R * (unp + uD / 8));
-  float* pi = QuantWorkspace::at_least(ws.iv, R * (unp + uD / 8));
+  // Per group zero / inv (and scale).
+  float* pz = QuantWorkspace::at_least(ws.zv, R * unp);
+  float* pi = QuantWorkspace::at_least(ws.iv, R * unp);
   float* ps = QuantWorkspace::at_least(ws.u, R * unp);
   const MetaDType meta = cfg.meta;
   const int pb = outlier_pos_bytes(D);
   const std::size_t row_bytes = uD * sizeof(T);
-  [[maybe_unused]] const bool chunked = gc % 8 == 0;  // D % 8 == 0: rows start on a byte
+  // Codes 8 at a time (gc % 8 == 0, so D % 8 == 0: rows start on a byte); the group of
+  // channel e is (e * gmul) >> 32, exact for e, gc < 2^16.
+  [[maybe_unused]] const bool chunked = gc % 8 == 0 && D < (int64_t{1} << 16);
+  [[maybe_unused]] const uint64_t gmul = (uint64_t{1} << 32) / static_cast<uint64_t>(gc) + 1;
+  [[maybe_unused]] auto group_of = [gmul](int64_t e) __attribute__((always_inline)) {
+    return static_cast<int64_t>((static_cast<uint64_t>(e) * gmul) >> 32);
+  };
   int64_t t_next = 0, h_next = 0;
   for (int64_t v0 = 0; v0 < V; v0 += R) {
     const int nr = static_cast<int>(std::min<int64_t>(R, V - v0));
@@ -193,8 +199,8 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
       const int64_t v = v0 + i;
       const float* l = lo + i * unp;
       const float* u = hi + i * unp;
-      float* zg = pz + i * (unp + uD / 8);
-      float* ig = pi + i * (unp + uD / 8);
+      float* zg = pz + i * unp;
+      float* ig = pi + i * unp;
       [[maybe_unused]] float* sg = ps + i * unp;
       const auto g0 = static_cast<std::size_t>(v * nc);
       bool done = false;
@@ -230,39 +236,25 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
     for (int i = 0; i < nr; ++i) {  // codes
       const int64_t v = v0 + i;
       const float* dn = dense + i * uD;
-      const float* zg = pz + i * (unp + uD / 8);
-      const float* ig = pi + i * (unp + uD / 8);
+      const float* zg = pz + i * unp;
+      const float* ig = pi + i * unp;
       uint8_t* cd = codes + i * uD;
 #if KVQ_HAS_AVX2
       if (chunked) {
         uint8_t* out = q.codes + static_cast<std::size_t>(v * D) * static_cast<std::size_t>(bits) / 8;
         if constexpr (std::is_same_v<Codec, IntCodec>) {
-          float* cz = pz + i * (unp + uD / 8) + unp;
-          float* ci = pi + i * (unp + uD / 8) + unp;
-          for (int64_t b = 0, c = 0; b < nc; ++b)
-            for (int64_t e = 0; e < gc; e += 8, ++c) {
-              cz[c] = zg[b];
-              ci[c] = ig[b];
-            }
           const __m256 off = _mm256_set1_ps(codec.lv.off), qmax = _mm256_set1_ps(codec.lv.qmax);
           write_row_codes(bits, D, out, [&](int64_t e) __attribute__((always_inline)) {
-            return int_codes8(dn + e, _mm256_broadcast_ss(cz + e / 8),
-                              _mm256_broadcast_ss(ci + e / 8), off, qmax);
+            return int_codes8(dn + e, _mm256_broadcast_ss(zg + group_of(e)),
+                              _mm256_broadcast_ss(ig + group_of(e)), off, qmax);
           });
         } else if constexpr (std::is_same_v<Codec, NuqCodec>) {
-          float* cz = pz + i * (unp + uD / 8) + unp;
-          float* ci = pi + i * (unp + uD / 8) + unp;
-          for (int64_t b = 0, c = 0; b < nc; ++b)
-            for (int64_t e = 0; e < gc; e += 8, ++c) {
-              cz[c] = zg[b];
-              ci[c] = ig[b];
-            }
           __m256 thr[kNuqMaxLevels];
           const int nthr = (1 << bits) - 1;
           for (int j = 0; j < nthr; ++j) thr[j] = _mm256_set1_ps(codec.thr[j]);
           write_row_codes(bits, D, out, [&](int64_t e) __attribute__((always_inline)) {
-            return nuq_codes8(dn + e, _mm256_broadcast_ss(cz + e / 8),
-                              _mm256_broadcast_ss(ci + e / 8), thr, nthr);
+            return nuq_codes8(dn + e, _mm256_broadcast_ss(zg + group_of(e)),
+                              _mm256_broadcast_ss(ig + group_of(e)), thr, nthr);
           });
         } else {
           for (int64_t b = 0; b < nc; ++b) codec.encode(dn + b * gc, gc, zg[b], ig[b], cd + b * gc);
