@@ -230,7 +230,7 @@ bool same_bits(const float* a, const float* b, std::size_t n) {
 TEST(OutlierRow, PathsMatchOracleBitForBit) {
   int cases = 0;
   for (int64_t D : {8, 16, 24, 64, 128, 136, 512, 640})
-    for (int64_t gc : {4, 8, 16, 32, 128})
+    for (int64_t gc : {4, 8, 16, 24, 32, 64, 128})
       for (int64_t k : {1, 2, 3, 4, 8, 9, 16}) {
         if (D % gc != 0 || k > D) continue;
         for (uint32_t seed = 0; seed < 16; ++seed) {
