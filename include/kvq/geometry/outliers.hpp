@@ -215,78 +215,50 @@ __attribute__((always_inline)) inline void marked_channels(const uint64_t* m, in
   }
 }
 
-/// Per 8-bit selection mask, the 8 lanes that are all ones where the bit is set: OR-ed into 8
-/// finite floats it turns the selected lanes into NaN, which vminps / vmaxps with the running
-/// bound as second operand skip (they return the second operand when either is NaN).
-struct LaneMaskTable {
-  alignas(32) uint32_t lanes[256][8];
-};
-inline constexpr LaneMaskTable make_lane_masks() {
-  LaneMaskTable t{};
-  for (int b = 0; b < 256; ++b)
-    for (int i = 0; i < 8; ++i) t.lanes[b][i] = ((b >> i) & 1) != 0 ? 0xffffffffu : 0u;
-  return t;
-}
-inline constexpr LaneMaskTable kLaneMasks = make_lane_masks();
-
-/// The group size of the row paths: GC when it is not 0 (the loops over a group then have a
-/// fixed trip count), else the run-time gc.
-template <int GC>
-inline int64_t row_group(int64_t gc) {
-  return GC != 0 ? GC : gc;
-}
-
 /// The tail of the row paths, given the selection as channels (sel, ascending) and as bits (m):
 /// vals, dense = r with the non-selected range of every group computed on the way (selected
 /// lanes masked out), the zero-sign rule, then the replacement of the selected entries.
-template <int GC = 0>
-inline void finish_row_avx2(const float* r, int64_t D, int64_t gc_, int64_t k, const uint64_t* m,
+inline void finish_row_avx2(const float* r, int64_t D, int64_t gc, int64_t k, const uint64_t* m,
                             const int32_t* sel, const double* mean, float* dense, float* vals,
                             float* lo, float* hi) {
-  const int64_t gc = row_group<GC>(gc_);
   const int64_t nc = D / gc;
   for (int64_t j = 0; j < k; ++j) vals[j] = r[sel[j]];
   const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256 ninf8 = _mm256_sub_ps(_mm256_setzero_ps(), inf8);
-  // Byte d / 8 of the little-endian words m: the selection bits of channels d .. d + 7.
-  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "selection bytes of little-endian words");
-  const auto* mb = reinterpret_cast<const unsigned char*>(m);
-  const bool copy = dense != r;
+#if !KVQ_HAS_AVX512
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+#endif
   for (int64_t b = 0; b < nc; ++b) {
     __m256 l8 = inf8, h8 = ninf8;
-    int64_t i0 = 0;  // the channels of the group the 8-lane loop starts at
+    int64_t d = b * gc;
 #if KVQ_HAS_AVX512
     if (gc % 16 == 0) {  // 16 lanes, the selected ones masked out
       __m512 l16 = _mm512_set1_ps(std::numeric_limits<float>::infinity());
       __m512 h16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-      for (int64_t d = b * gc; d < (b + 1) * gc; d += 16) {
+      for (; d < (b + 1) * gc; d += 16) {
         const __m512 v = _mm512_loadu_ps(r + d);
-        if (copy) _mm512_storeu_ps(dense + d, v);
+        if (dense != r) _mm512_storeu_ps(dense + d, v);
         const auto keep = static_cast<__mmask16>(~(m[d >> 6] >> (d & 63)));
         l16 = _mm512_mask_min_ps(l16, keep, v, l16);
         h16 = _mm512_mask_max_ps(h16, keep, v, h16);
       }
       l8 = _mm256_min_ps(_mm512_castps512_ps256(l16), _mm512_extractf32x8_ps(l16, 1));
       h8 = _mm256_max_ps(_mm512_castps512_ps256(h16), _mm512_extractf32x8_ps(h16, 1));
-      i0 = gc;
     }
 #endif
-    for (int64_t i = i0; i < gc; i += 8) {  // a fixed trip count when GC != 0 (AVX2 builds)
-      const int64_t d = b * gc + i;
+    for (; d < (b + 1) * gc; d += 8) {
       const __m256 v = _mm256_loadu_ps(r + d);
-      if (copy) _mm256_storeu_ps(dense + d, v);
-      const unsigned bits = mb[d >> 3];
+      if (dense != r) _mm256_storeu_ps(dense + d, v);
+      const auto bits = static_cast<unsigned>(m[d >> 6] >> (d & 63)) & 0xffu;
 #if KVQ_HAS_AVX512
       const auto keep = static_cast<__mmask8>(~bits);
       l8 = _mm256_mask_min_ps(l8, keep, v, l8);
       h8 = _mm256_mask_max_ps(h8, keep, v, h8);
 #else
-      // r is finite (the statistics reject NaN and inf), so the only NaN lanes are the
-      // selected ones; min / max keep their second operand there.
-      const __m256 vs = _mm256_or_ps(
-          v, _mm256_load_ps(reinterpret_cast<const float*>(kLaneMasks.lanes[bits])));
-      l8 = _mm256_min_ps(vs, l8);
-      h8 = _mm256_max_ps(vs, h8);
+      const __m256 sel8 = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+          _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bit), lane_bit));
+      l8 = _mm256_min_ps(l8, _mm256_blendv_ps(v, inf8, sel8));
+      h8 = _mm256_max_ps(h8, _mm256_blendv_ps(v, ninf8, sel8));
 #endif
     }
     float l = _mm256_cvtss_f32(hmin8(l8)), h = _mm256_cvtss_f32(hmax8(h8));
@@ -335,36 +307,18 @@ inline float kth_of_lists(__m256* top, int64_t k) {
   return _mm256_cvtss_f32(t8);
 }
 
-/// The largest float below finite x (std::nextafter(x, -inf) without the library call).
-inline float next_down(float x) {
-  if (x == 0.f) return -std::numeric_limits<float>::denorm_min();
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  u = x > 0.f ? u - 1 : u + 1;
-  std::memcpy(&x, &u, 4);
-  return x;
-}
-
 /// Marks in m[0..(D + 63) / 64) the channels with score >= theta, rounded down to float so no
 /// channel at or above theta is missed; returns how many. The scores were stored 8 lanes wide,
 /// the width they are loaded at here (the loads take their data from the store queue).
 inline int64_t mark_at_least(const float* score, int64_t D, double theta, uint64_t* m) {
   auto th = static_cast<float>(theta);
-  if (static_cast<double>(th) > theta) th = next_down(th);
+  if (static_cast<double>(th) > theta)
+    th = std::nextafter(th, -std::numeric_limits<float>::infinity());
   const __m256 th8 = _mm256_set1_ps(th);
   int64_t cnt = 0;
   for (int64_t w = 0; w < (D + 63) / 64; ++w) {
     uint64_t g = 0;
-    if (D - 64 * w >= 64) {  // a whole word: a fixed trip count
-      for (int i = 0; i < 64; i += 8)
-        g |= static_cast<uint64_t>(static_cast<unsigned>(_mm256_movemask_ps(
-                 _mm256_cmp_ps(_mm256_loadu_ps(score + 64 * w + i), th8, _CMP_GE_OQ))))
-             << i;
-      m[w] = g;
-      cnt += __builtin_popcountll(g);
-      continue;
-    }
-    for (int64_t i = 0; i < D - 64 * w; i += 8)
+    for (int64_t i = 0; i < std::min<int64_t>(64, D - 64 * w); i += 8)
       g |= static_cast<uint64_t>(static_cast<unsigned>(_mm256_movemask_ps(
                _mm256_cmp_ps(_mm256_loadu_ps(score + 64 * w + i), th8, _CMP_GE_OQ))))
            << i;
@@ -439,9 +393,7 @@ struct RowStats {
 };
 
 /// Fills st for row r[0..D) (gc % 8 == 0); false when r holds NaN or inf.
-template <int GC = 0>
-inline bool row_stats_avx2(const float* r, int64_t D, int64_t gc_, RowStats& st) {
-  const int64_t gc = row_group<GC>(gc_);
+inline bool row_stats_avx2(const float* r, int64_t D, int64_t gc, RowStats& st) {
   const int64_t nc = D / gc;
   const __m256d inv_n = _mm256_set1_pd(1.0 / static_cast<double>(gc));
   const __m256d sign_d = _mm256_set1_pd(-0.0), zero_d = _mm256_setzero_pd();
@@ -501,19 +453,17 @@ inline RowStats row_stats_scratch(OutlierScratch& sc, int64_t nc) {
 /// computed and the k best taken in (score descending, channel ascending) order. A group whose
 /// 1 / sd is outside [1e-30, 1e30] (float cannot hold it, or x - mean could overflow) scores the
 /// whole row exactly. The selection is therefore the exact definition's, bit for bit.
-template <int K, int GC = 0>
-inline void row_select_avx2(const float* r, int64_t D, int64_t gc_, int64_t k, const RowStats& st,
+template <int K>
+inline void row_select_avx2(const float* r, int64_t D, int64_t gc, int64_t k, const RowStats& st,
                             float* score, float* dense, int32_t* sel, float* vals, float* lo,
                             float* hi) {
-  const int64_t gc = row_group<GC>(gc_);
   const int64_t nc = D / gc;
   __m256 top[K];  // per lane, its K largest s' (descending); -1 = none yet
   for (auto& t : top) t = _mm256_set1_ps(-1.f);
   const __m256 sign_f = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < nc; ++b) {
     const __m256 mf = _mm256_broadcast_ss(st.fmean + b), fi = _mm256_broadcast_ss(st.fisd + b);
-    for (int64_t i = 0; i < gc; i += 8) {
-      const int64_t d = b * gc + i;
+    for (int64_t d = b * gc; d < (b + 1) * gc; d += 8) {
       const __m256 a = _mm256_sub_ps(_mm256_loadu_ps(r + d), mf);
       const __m256 s8 = _mm256_mul_ps(_mm256_andnot_ps(sign_f, a), fi);
       _mm256_storeu_ps(score + d, s8);
@@ -526,31 +476,7 @@ inline void row_select_avx2(const float* r, int64_t D, int64_t gc_, int64_t k, c
     return static_cast<float>(std::fabs(static_cast<double>(r[d]) - st.mean[b]) * st.isd[b]);
   });
   marked_channels(m, D, k, sel);
-  finish_row_avx2<GC>(r, D, gc, k, m, sel, st.mean, dense, vals, lo, hi);
-}
-
-/// isolate_row_avx2 for k = K <= 4 and the group size GC (0: any multiple of 8).
-template <int K, int GC>
-inline bool isolate_row_k(const float* r, int64_t D, int64_t gc, float* dense, int32_t* sel,
-                          float* vals, float* lo, float* hi, OutlierScratch& sc) {
-  RowStats st = row_stats_scratch(sc, D / gc);
-  if (!row_stats_avx2<GC>(r, D, gc, st)) return false;
-  float* score = grow(sc.score, static_cast<std::size_t>(D));
-  row_select_avx2<K, GC>(r, D, gc, K, st, score, dense, sel, vals, lo, hi);
-  return true;
-}
-
-/// isolate_row_k for k <= 4, with the group sizes 32, 64 and 128 channels fixed at compile
-/// time (their loops unrolled).
-template <int K>
-inline bool isolate_row_gc(const float* r, int64_t D, int64_t gc, float* dense, int32_t* sel,
-                           float* vals, float* lo, float* hi, OutlierScratch& sc) {
-  switch (gc) {
-    case 32: return isolate_row_k<K, 32>(r, D, gc, dense, sel, vals, lo, hi, sc);
-    case 64: return isolate_row_k<K, 64>(r, D, gc, dense, sel, vals, lo, hi, sc);
-    case 128: return isolate_row_k<K, 128>(r, D, gc, dense, sel, vals, lo, hi, sc);
-    default: return isolate_row_k<K, 0>(r, D, gc, dense, sel, vals, lo, hi, sc);
-  }
+  finish_row_avx2(r, D, gc, k, m, sel, st.mean, dense, vals, lo, hi);
 }
 
 /// AVX2 isolate_row: gc % 8 == 0, 1 <= k <= kRowTopKAvx2, D <= 64 * kRowMaskWords:
@@ -559,17 +485,17 @@ inline bool isolate_row_gc(const float* r, int64_t D, int64_t gc, float* dense, 
 inline bool isolate_row_avx2(const float* r, int64_t D, int64_t gc, int64_t k, float* dense,
                              int32_t* sel, float* vals, float* lo, float* hi,
                              OutlierScratch& sc) {
-  switch (k) {
-    case 1: return isolate_row_gc<1>(r, D, gc, dense, sel, vals, lo, hi, sc);
-    case 2: return isolate_row_gc<2>(r, D, gc, dense, sel, vals, lo, hi, sc);
-    case 3: return isolate_row_gc<3>(r, D, gc, dense, sel, vals, lo, hi, sc);
-    case 4: return isolate_row_gc<4>(r, D, gc, dense, sel, vals, lo, hi, sc);
-    default: break;
-  }
   const int64_t nc = D / gc;
   RowStats st = row_stats_scratch(sc, nc);
   if (!row_stats_avx2(r, D, gc, st)) return false;
   float* score = grow(sc.score, static_cast<std::size_t>(D));
+  switch (k) {
+    case 1: row_select_avx2<1>(r, D, gc, k, st, score, dense, sel, vals, lo, hi); return true;
+    case 2: row_select_avx2<2>(r, D, gc, k, st, score, dense, sel, vals, lo, hi); return true;
+    case 3: row_select_avx2<3>(r, D, gc, k, st, score, dense, sel, vals, lo, hi); return true;
+    case 4: row_select_avx2<4>(r, D, gc, k, st, score, dense, sel, vals, lo, hi); return true;
+    default: break;
+  }
   const __m256d sign_d = _mm256_set1_pd(-0.0);
   for (int64_t b = 0; b < nc; ++b) {
     const __m256d mb = _mm256_set1_pd(st.mean[b]), ib = _mm256_set1_pd(st.isd[b]);

@@ -82,19 +82,6 @@ inline void check_outlier_range(const float* vals, const int32_t* sel, int64_t v
     if (!(std::fabs(vals[i]) < 65520.f)) throw_outlier_range(vals[i], sel[i], i / k, H);
 }
 
-/// memcpy of n <= Cap bytes (src holds Cap), inline for the metadata sizes of up to 8 groups
-/// (4, 8, 16 or 32 bytes: fixed-size copies instead of a library call).
-template <std::size_t Cap>
-inline void copy_small(void* dst, const void* src, std::size_t n) {
-  if (n == 4) return void(std::memcpy(dst, src, 4));
-  if (n == 8) return void(std::memcpy(dst, src, 8));
-  if constexpr (Cap >= 16)
-    if (n == 16) return void(std::memcpy(dst, src, 16));
-  if constexpr (Cap >= 32)
-    if (n == 32) return void(std::memcpy(dst, src, 32));
-  std::memcpy(dst, src, n);
-}
-
 /// Bits of one code of a dense format (fp8: one byte).
 inline int dense_code_bits(const QuantConfig& c) {
   return c.format == Format::kE4M3 || c.format == Format::kE5M2 ? 8 : c.bits;
@@ -227,11 +214,11 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
                              _mm256_cvtps_ph(_mm256_loadu_ps(sg), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(hz),
                              _mm256_cvtps_ph(_mm256_loadu_ps(zg), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            copy_small<sizeof hs>(q.scales + 2 * g0, hs, static_cast<std::size_t>(2 * nc));
-            if (codec.has_zero()) copy_small<sizeof hz>(q.zeros + 2 * g0, hz, static_cast<std::size_t>(2 * nc));
+            std::memcpy(q.scales + 2 * g0, hs, static_cast<std::size_t>(2 * nc));
+            if (codec.has_zero()) std::memcpy(q.zeros + 2 * g0, hz, static_cast<std::size_t>(2 * nc));
           } else {
-            copy_small<32>(q.scales + 4 * g0, sg, static_cast<std::size_t>(4 * nc));
-            if (codec.has_zero()) copy_small<32>(q.zeros + 4 * g0, zg, static_cast<std::size_t>(4 * nc));
+            std::memcpy(q.scales + 4 * g0, sg, static_cast<std::size_t>(4 * nc));
+            if (codec.has_zero()) std::memcpy(q.zeros + 4 * g0, zg, static_cast<std::size_t>(4 * nc));
           }
         }
       }
