@@ -285,6 +285,45 @@ TEST(OutlierRow, PathsMatchOracleBitForBit) {
                                                v.data(), lo.data(), hi.data(), sc));
 }
 
+// Rows where the row path's float filter (geometry/outliers.hpp) must fall back to exact scores
+// or where a score's rounding matters: exact ties everywhere, values a few ulps apart, repeated
+// extremes, top scores sharing one box side, and extremes far above a negative mean (there a
+// score's rounding error exceeds the extreme's own ulp). 1500 rows against the oracle.
+TEST(OutlierRow, TiesAndUlpNeighboursMatchOracle) {
+  int cases = 0;
+  for (uint32_t seed = 0; seed < 1500; ++seed) {
+    std::mt19937 rng(seed);
+    const int64_t D = seed % 3 == 0 ? 64 : 128, gc = seed % 5 == 0 ? 64 : 32;
+    const int64_t k = 1 + static_cast<int64_t>(seed % 4);
+    std::vector<float> r(static_cast<std::size_t>(D));
+    const int mode = static_cast<int>((seed / 4) % 5);
+    for (int64_t d = 0; d < D; ++d) {
+      const int u = static_cast<int>(rng() % 7);
+      switch (mode) {
+        case 0: r[d] = static_cast<float>(u) - 3.f; break;  // exact ties everywhere
+        case 1: r[d] = std::ldexp(1.f + static_cast<float>(rng() % 5) * 0x1p-23f, u % 3); break;
+        case 2: r[d] = (u == 0 ? 5.f : 0.f) + 0x1p-20f * static_cast<float>(rng() % 3); break;
+        case 3: r[d] = 0.37f * static_cast<float>(u * u) - 1.1f; break;  // tied extremes
+        default:  // extremes far above a negative mean: a score's rounding exceeds their ulp
+          r[d] = u < 5 ? -1.f - 0x1p-10f * static_cast<float>(u) : 1e-3f * static_cast<float>(u - 4);
+      }
+    }
+    const auto ref = kvq::reference::split_outliers(
+        kvq::Axis::kToken, gc, k, kvq::KVView<const float>(r.data(), {1, 1, D}));
+    const int64_t nc = D / gc;
+    std::vector<float> dense(r.size()), vals(static_cast<std::size_t>(k)), lo(nc), hi(nc);
+    std::vector<int32_t> sel(static_cast<std::size_t>(k));
+    kvq::OutlierScratch sc;
+    ASSERT_TRUE(kvq::isolate_row(r.data(), D, gc, k, dense.data(), sel.data(), vals.data(),
+                                 lo.data(), hi.data(), sc));
+    SCOPED_TRACE(::testing::Message() << "seed=" << seed << " D=" << D << " gc=" << gc << " k=" << k);
+    ASSERT_EQ(sel, ref.sel);
+    ASSERT_TRUE(same_bits(dense.data(), ref.dense.data(), dense.size()));
+    ++cases;
+  }
+  EXPECT_EQ(cases, 1500);
+}
+
 // The channel axis (boxes of G tokens of one channel; the AVX2 path's float filter with the
 // channels' statistics) gives the oracle's selection and dense part bit for bit on the same
 // kinds of rows, every token of a block drawn in the same mode.
