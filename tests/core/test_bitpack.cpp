@@ -65,6 +65,30 @@ TEST_P(BitpackTest, LayoutIsLsbFirst) {
   EXPECT_EQ(packed[bits / 8], 1 << (bits % 8));
 }
 
+// Codes with bits above the width pack as their masked values (the 64-bit chunk path of the
+// 3-, 5-, 6- and 7-bit widths included): byte-aligned and unaligned offsets, a partial tail.
+TEST_P(BitpackTest, HighBitsAreMasked) {
+  const int bits = GetParam();
+  std::mt19937 rng(200 + bits);
+  for (size_t off : {0, 5, 16}) {
+    const size_t n = 77;  // two 32-code blocks and a tail
+    std::vector<uint8_t> raw(n), masked(n);
+    for (size_t i = 0; i < n; ++i) {
+      raw[i] = static_cast<uint8_t>(rng());
+      masked[i] = static_cast<uint8_t>(raw[i] & ((1u << bits) - 1));
+    }
+    std::vector<uint8_t> a(kvq::packed_bytes(n, bits) + 4, 0x5a), b(a);
+    kvq::pack_bits(raw.data(), n, bits, a.data(), off);
+    kvq::pack_bits(masked.data(), n, bits, b.data(), off);
+    ASSERT_EQ(a, b) << "bits=" << bits << " off=" << off;
+    if (off % 8 == 0) {  // the SIMD paths of pack_codes (byte-aligned runs)
+      std::vector<uint8_t> c(a.size(), 0x5a);
+      kvq::kernels::pack_codes(raw.data(), n, bits, c.data(), off);
+      ASSERT_EQ(c, b) << "pack_codes bits=" << bits << " off=" << off;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Widths, BitpackTest, ::testing::Values(1, 2, 3, 4, 5, 6, 7, 8),
                          [](const auto& i) { return "b" + std::to_string(i.param); });
 

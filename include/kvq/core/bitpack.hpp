@@ -17,6 +17,42 @@ constexpr std::size_t packed_bytes(std::size_t n, int bits) {
 }
 
 namespace detail {
+/// Packs the 8 codes in the bytes of c (byte j = code j, each < 2^bits, bits <= 8) LSB-first
+/// into the low 8 * bits bits of the result: three shift-and-mask steps instead of 8 shifts.
+constexpr uint64_t pack8_codes(uint64_t c, int bits) {
+  c = (c & 0x00ff00ff00ff00ffull) | (((c >> 8) & 0x00ff00ff00ff00ffull) << bits);
+  c = (c & 0x0000ffff0000ffffull) | (((c >> 16) & 0x0000ffff0000ffffull) << (2 * bits));
+  return (c & 0xffffffffull) | ((c >> 32) << (4 * bits));
+}
+
+/// The whole 8-code chunks of codes[i..n) at B = 3, 5, 6 or 7 bits, from the byte-aligned o:
+/// 8 codes are exactly B bytes, packed in a 64-bit word (pack8_codes). A chunk is stored as 8
+/// bytes while 8 bytes of the range remain (the extra bytes belong to the chunks after it,
+/// which rewrite them), otherwise as exactly B bytes. Advances i; returns the next byte.
+template <int B>
+inline uint8_t* pack8_chunks(const uint8_t* codes, std::size_t n, std::size_t& i, uint8_t* o) {
+  constexpr uint64_t m8 = 0x0101010101010101ull * ((1u << B) - 1u);
+  for (; i + 8 <= n; i += 8, o += B) {
+    uint64_t c = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    std::memcpy(&c, codes + i, 8);
+#else
+    for (int j = 0; j < 8; ++j) c |= static_cast<uint64_t>(codes[i + j]) << (8 * j);
+#endif
+    const uint64_t p = pack8_codes(c & m8, B);
+    if ((n - i) * B >= 64) {  // 8 whole bytes of the range remain from o
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+      std::memcpy(o, &p, 8);
+#else
+      for (int j = 0; j < 8; ++j) o[j] = static_cast<uint8_t>(p >> (8 * j));
+#endif
+    } else {
+      for (int j = 0; j < B; ++j) o[j] = static_cast<uint8_t>(p >> (8 * j));
+    }
+  }
+  return o;
+}
+
 inline void check_bits(int bits) {
   KVQ_REQUIRE(bits >= 1 && bits <= 8, kInvalidArgument, "code width must be 1..8 bits, got ",
               bits);
@@ -46,6 +82,18 @@ inline void pack_bits(const uint8_t* codes, std::size_t n, int bits, uint8_t* ou
       for (; i + 4 <= n; i += 4)
         *o++ = static_cast<uint8_t>((codes[i] & 3u) | ((codes[i + 1] & 3u) << 2) |
                                     ((codes[i + 2] & 3u) << 4) | ((codes[i + 3] & 3u) << 6));
+      if (i == n) return;
+      bit_offset = static_cast<std::size_t>(o - out) * 8;
+      codes += i;
+      n -= i;
+    } else if (bits >= 3) {
+      // 3, 5, 6, 7 bits: 8 codes at a time (pack8_chunks).
+      switch (bits) {
+        case 3: o = detail::pack8_chunks<3>(codes, n, i, o); break;
+        case 5: o = detail::pack8_chunks<5>(codes, n, i, o); break;
+        case 6: o = detail::pack8_chunks<6>(codes, n, i, o); break;
+        default: o = detail::pack8_chunks<7>(codes, n, i, o); break;
+      }
       if (i == n) return;
       bit_offset = static_cast<std::size_t>(o - out) * 8;
       codes += i;

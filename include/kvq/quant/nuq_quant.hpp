@@ -113,14 +113,6 @@ struct NuqCodec {
 };
 
 #if KVQ_HAS_AVX2
-/// 8 codes (byte i of c is code i, < 2^bits) packed LSB-first into the low 8 * bits bits, the
-/// bit order of core/bitpack.hpp.
-inline uint64_t pack8_codes(uint64_t c, int bits) {
-  c = (c & 0x00ff00ff00ff00ffull) | (((c >> 8) & 0x00ff00ff00ff00ffull) << bits);
-  c = (c & 0x0000ffff0000ffffull) | (((c >> 16) & 0x0000ffff0000ffffull) << (2 * bits));
-  return (c & 0xffffffffull) | ((c >> 32) << (4 * bits));
-}
-
 /// Appends chunks of w = 8 * bits bits to a byte stream as little-endian 64-bit words (x86).
 struct ChunkWriter {
   uint8_t* out;
@@ -146,42 +138,7 @@ inline uint64_t codes8_word(__m256i c) {
   return static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(w, w)));
 }
 
-/// Packs 32 codes (the bytes of b, in order, each < 2^B) LSB-first into exactly 4 * B bytes at
-/// out: pairs by maddubs, quads by madd, then per-B byte gathering.
-template <int B>
-__attribute__((always_inline)) inline void pack32_store(__m256i b, uint8_t* out) {
-  if constexpr (B == 8) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), b);
-  } else if constexpr (B == 4) {
-    const __m256i w = _mm256_maddubs_epi16(b, _mm256_set1_epi16(0x1001));  // c0 + 16 c1
-    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(p));
-  } else {
-    constexpr int kPair = B == 3 ? 0x0801 : 0x0401;          // c0 + 2^B c1
-    constexpr int kQuad = B == 3 ? 0x00400001 : 0x00100001;  // w0 + 2^2B w1
-    const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(b, _mm256_set1_epi16(kPair)),
-                                        _mm256_set1_epi32(kQuad));  // 4 codes per dword
-    if constexpr (B == 2) {  // the low byte of every dword
-      const __m256i g = _mm256_shuffle_epi8(
-          d, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8,
-                              12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
-      const __m256i p = _mm256_permutevar8x32_epi32(g, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(p));
-    } else {  // B == 3: 24 bits per qword, then the low 3 bytes of each
-      const __m256i q = _mm256_and_si256(_mm256_or_si256(d, _mm256_srli_epi64(d, 20)),
-                                         _mm256_set1_epi64x(0xffffff));
-      const __m256i g = _mm256_shuffle_epi8(
-          q, _mm256_setr_epi8(0, 1, 2, 8, 9, 10, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 2,
-                              8, 9, 10, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
-      const auto lo = static_cast<uint64_t>(_mm256_extract_epi64(g, 0));  // 48 bits
-      const auto hi = static_cast<uint64_t>(_mm256_extract_epi64(g, 2));  // 48 bits
-      const uint64_t w0 = lo | (hi << 48);
-      const auto w1 = static_cast<uint32_t>(hi >> 16);
-      std::memcpy(out, &w0, 8);
-      std::memcpy(out + 8, &w1, 4);
-    }
-  }
-}
+using kernels::pack32_store;  // kernels/cpu/uniform_cpu.hpp
 
 /// Writes the D codes of one row (D % 8 == 0), B bits each, to out: codes8(i) returns codes
 /// i .. i + 7 in the 32-bit lanes of a vector. 32 codes at a time are narrowed to bytes and

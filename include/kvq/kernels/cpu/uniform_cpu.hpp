@@ -605,9 +605,62 @@ inline void decode_run_f16(const uint8_t* codes, int64_t n, const float* s, cons
                                                     kVec ? z[i] : z[0], off));
 }
 
-/// pack_bits with vectorized 2- and 4-bit paths for byte-aligned runs.
+#if KVQ_HAS_AVX2
+/// Packs 32 codes (the bytes of b, in order, each < 2^B) LSB-first into exactly 4 * B bytes at
+/// out: pairs by maddubs, quads by madd, then per-B byte gathering.
+template <int B>
+__attribute__((always_inline)) inline void pack32_store(__m256i b, uint8_t* out) {
+  if constexpr (B == 8) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), b);
+  } else if constexpr (B == 4) {
+    const __m256i w = _mm256_maddubs_epi16(b, _mm256_set1_epi16(0x1001));  // c0 + 16 c1
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(w, w), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(p));
+  } else {
+    constexpr int kPair = B == 3 ? 0x0801 : 0x0401;          // c0 + 2^B c1
+    constexpr int kQuad = B == 3 ? 0x00400001 : 0x00100001;  // w0 + 2^2B w1
+    const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(b, _mm256_set1_epi16(kPair)),
+                                        _mm256_set1_epi32(kQuad));  // 4 codes per dword
+    if constexpr (B == 2) {  // the low byte of every dword
+      const __m256i g = _mm256_shuffle_epi8(
+          d, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8,
+                              12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+      const __m256i p = _mm256_permutevar8x32_epi32(g, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(p));
+    } else {  // B == 3: 24 bits per qword, then the low 3 bytes of each
+      const __m256i q = _mm256_and_si256(_mm256_or_si256(d, _mm256_srli_epi64(d, 20)),
+                                         _mm256_set1_epi64x(0xffffff));
+      const __m256i g = _mm256_shuffle_epi8(
+          q, _mm256_setr_epi8(0, 1, 2, 8, 9, 10, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 2,
+                              8, 9, 10, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
+      const auto lo = static_cast<uint64_t>(_mm256_extract_epi64(g, 0));  // 48 bits
+      const auto hi = static_cast<uint64_t>(_mm256_extract_epi64(g, 2));  // 48 bits
+      const uint64_t w0 = lo | (hi << 48);
+      const auto w1 = static_cast<uint32_t>(hi >> 16);
+      std::memcpy(out, &w0, 8);
+      std::memcpy(out + 8, &w1, 4);
+    }
+  }
+}
+
+#endif
+
+/// pack_bits with vectorized 2-, 3- and 4-bit paths for byte-aligned runs.
 inline void pack_codes(const uint8_t* codes, std::size_t n, int bits, uint8_t* out,
                        std::size_t bit_offset) {
+#if KVQ_HAS_AVX2
+  if (bit_offset % 8 == 0 && bits == 3) {  // 32 codes into 12 bytes in registers
+    uint8_t* o = out + bit_offset / 8;
+    std::size_t i = 0;
+    const __m256i m3 = _mm256_set1_epi8(7);
+    for (; i + 32 <= n; i += 32, o += 12)
+      pack32_store<3>(_mm256_and_si256(
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)), m3),
+                      o);
+    if (i < n) pack_bits(codes + i, n - i, bits, out, bit_offset + i * bits);
+    return;
+  }
+#endif
 #if KVQ_HAS_AVX512
   if (bit_offset % 8 == 0 && (bits == 4 || bits == 2)) {
     uint8_t* o = out + bit_offset / 8;
