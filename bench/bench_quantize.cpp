@@ -112,7 +112,7 @@ int register_all() {
                                  lm_cfg(bits))
         ->Unit(benchmark::kMillisecond);
   }
-  for (int bits : {2, 4, 8}) {
+  for (int bits : {2, 3, 4, 8}) {
     for (kvq::Axis axis : {kvq::Axis::kToken, kvq::Axis::kChannel}) {
       const std::string tail = "int" + std::to_string(bits) + "/" + kvq::to_string(axis);
       benchmark::RegisterBenchmark(("BM_Quantize/" + tail + "/f32").c_str(), BM_Quantize<float>,
