@@ -324,6 +324,139 @@ TEST(OutlierRow, TiesAndUlpNeighboursMatchOracle) {
   EXPECT_EQ(cases, 1500);
 }
 
+#if KVQ_HAS_AVX2
+// The lean row isolation of the fused quantizer (isolate_row_lean: group 32, 64 or 128, k <= 4,
+// no dense row) gives the oracle's selection, outlier values and dense ranges bit for bit, on
+// the tricky rows (ties, signed zeros as bounds, constant groups, 1 / sd float cannot hold) and
+// on continuous rows (its common case, no exact score computed).
+TEST(OutlierRow, LeanIsolationMatchesOracle) {
+  int cases = 0, lean = 0;
+  for (int64_t D : {32, 64, 128, 256, 512})
+    for (int64_t gc : {32, 64, 128})
+      for (int64_t k = 1; k <= 4; ++k) {
+        if (D % gc != 0) continue;
+        for (uint32_t seed = 0; seed < 32; ++seed) {
+          std::vector<float> r = tricky_row(D, gc, seed * 131u + static_cast<uint32_t>(D + gc + k));
+          std::mt19937 rng(seed);
+          if (seed >= 16 && seed < 24) {  // continuous rows, planted outliers, some in one group
+            std::normal_distribution<float> nd(0.f, 1.f);
+            for (float& v : r) v = nd(rng);
+            for (int64_t j = 0; j < k + 1; ++j)
+              r[static_cast<std::size_t>((rng() % 3 == 0 ? 5 : rng()) % D)] *= 9.f;
+          } else if (seed >= 24) {  // zeros of both signs as the bounds, k clear outliers
+            const float sgn = seed % 2 ? 1.f : -1.f;
+            for (int64_t d = 0; d < D; ++d)
+              r[static_cast<std::size_t>(d)] =
+                  rng() % 3 ? (rng() % 2 ? 0.f : -0.f) : sgn * (0.25f + 0.01f * static_cast<float>(rng() % 9));
+            for (int64_t j = 0; j < k; ++j) r[static_cast<std::size_t>((17 * j + seed) % D)] = sgn * (40.f + j);
+          }
+          const auto ref = kvq::reference::split_outliers(
+              kvq::Axis::kToken, gc, k, kvq::KVView<const float>(r.data(), {1, 1, D}));
+          const int64_t nc = D / gc;
+          std::vector<float> vals(static_cast<std::size_t>(k)), lo(nc), hi(nc);
+          std::vector<int32_t> sel(static_cast<std::size_t>(k));
+          kvq::OutlierScratch sc;
+          bool ok = false;
+          ASSERT_TRUE(kvq::detail::isolate_row_lean_rt(r.data(), D, gc, k, sel.data(), vals.data(),
+                                                       lo.data(), hi.data(), sc, &ok));
+          ASSERT_TRUE(ok);
+          SCOPED_TRACE(::testing::Message() << "D=" << D << " gc=" << gc << " k=" << k
+                                            << " seed=" << seed);
+          EXPECT_EQ(sel, ref.sel);
+          EXPECT_TRUE(same_bits(vals.data(), ref.vals.data(), vals.size()));
+          for (int64_t b = 0; b < nc; ++b) {
+            float l = INFINITY, h = -INFINITY;
+            for (int64_t d = b * gc; d < (b + 1) * gc; ++d)
+              if (std::find(ref.sel.begin(), ref.sel.end(), d) == ref.sel.end()) {
+                l = std::min(l, r[static_cast<std::size_t>(d)]);
+                h = std::max(h, r[static_cast<std::size_t>(d)]);
+              }
+            EXPECT_TRUE(same_bits(&lo[b], &l, 1)) << b << ": " << lo[b] << " vs " << l;
+            EXPECT_TRUE(same_bits(&hi[b], &h, 1)) << b << ": " << hi[b] << " vs " << h;
+          }
+          ++cases;
+          lean += seed >= 16;
+        }
+      }
+  EXPECT_GT(cases, 1000);
+  EXPECT_GT(lean, 300);
+  // Not instantiated: other groups, k > 4; non-finite rows refused.
+  std::vector<float> row(128, 1.f), v(5), lo(4), hi(4);
+  std::vector<int32_t> sel(5);
+  kvq::OutlierScratch sc;
+  bool ok = true;
+  EXPECT_FALSE(kvq::detail::isolate_row_lean_rt(row.data(), 128, 16, 2, sel.data(), v.data(),
+                                                lo.data(), hi.data(), sc, &ok));
+  EXPECT_FALSE(kvq::detail::isolate_row_lean_rt(row.data(), 128, 32, 5, sel.data(), v.data(),
+                                                lo.data(), hi.data(), sc, &ok));
+  row[77] = NAN;
+  EXPECT_TRUE(kvq::detail::isolate_row_lean_rt(row.data(), 128, 32, 2, sel.data(), v.data(),
+                                               lo.data(), hi.data(), sc, &ok));
+  EXPECT_FALSE(ok);
+}
+
+// The fused lean path's bytes (codes clamped to the dense ranges in code space, no dense row)
+// against the oracle: int 2/3/4/8 bits symmetric and not, nuq 2/3/4, fp16 and f32 metadata,
+// groups 32/64/128, k 1..4, continuous data with planted outliers and coarse data with ties.
+TEST(OutlierQuant, LeanFusedPathMatchesOracle) {
+  struct F {
+    kvq::Format f;
+    int bits;
+    bool sym;
+    kvq::MetaDType meta;
+  };
+  const F fmts[] = {{kvq::Format::kInt, 2, false, kvq::MetaDType::kF16},
+                    {kvq::Format::kInt, 3, false, kvq::MetaDType::kF16},
+                    {kvq::Format::kInt, 3, true, kvq::MetaDType::kF16},
+                    {kvq::Format::kInt, 4, false, kvq::MetaDType::kF32},
+                    {kvq::Format::kInt, 4, true, kvq::MetaDType::kF32},
+                    {kvq::Format::kInt, 8, false, kvq::MetaDType::kF16},
+                    {kvq::Format::kNuq, 2, false, kvq::MetaDType::kF16},
+                    {kvq::Format::kNuq, 3, false, kvq::MetaDType::kF32},
+                    {kvq::Format::kNuq, 4, false, kvq::MetaDType::kF16}};
+  int cases = 0;
+  for (const F& f : fmts)
+    for (int64_t gc : {32, 64, 128})
+      for (int k = 1; k <= 4; ++k) {
+        const kvq::Shape s{6, 2, gc == 32 ? 96 : 256};
+        kvq::QuantConfig cfg = make(f.f, f.bits, kvq::Axis::kToken, gc, k);
+        cfg.symmetric = f.sym;
+        cfg.meta = f.meta;
+        if (f.f == kvq::Format::kNuq) {  // thresholds just inside [0, 1]: the u clamp matters
+          const int n = 1 << f.bits;
+          for (int i = 0; i < n; ++i)
+            cfg.nuq_levels[static_cast<std::size_t>(i)] =
+                i == 0 ? 0.f : i == n - 1 ? 1.f : i == 1 ? 4e-4f : i == n - 2 ? 1.f - 4e-4f
+                                                   : static_cast<float>(i) / static_cast<float>(n - 1);
+        }
+        SCOPED_TRACE(cfg.name() + " " + s.str());
+        std::vector<float> x = kvq_test::kv_data(s, 11 + static_cast<uint32_t>(k), true);
+        for (std::size_t i = 5; i < x.size(); i += 53) x[i] *= 25.f;  // selected, clamped
+        for (std::size_t i = 0; i < x.size(); i += 61) x[i] = i % 122 ? 0.f : -0.f;
+        // 0: as drawn; 1: coarse (ties); 2: a large offset against a small spread, where the
+        // fp16 zero point's rounding moves a group's dense range off codes 0 / qmax, so a
+        // clamped outlier's code differs from its unclamped one.
+        for (int coarse = 0; coarse < 3; ++coarse) {
+          std::vector<float> xc = x;
+          if (coarse == 1)
+            for (float& v : xc) v = std::round(std::fmod(v, 3.f));
+          if (coarse == 2)
+            for (float& v : xc) v = 300.f + 0.02f * v;
+          const kvq::KVView<const float> xv(xc.data(), s);
+          const kvq::QTensor ref = kvq::reference::quantize_with_outliers(cfg, xv);
+          const kvq::QTensor q = kvq::quantize(cfg, xv);
+          EXPECT_EQ(q.codes, ref.codes) << coarse;
+          EXPECT_EQ(q.scales.raw(), ref.scales.raw()) << coarse;
+          EXPECT_EQ(q.zeros.raw(), ref.zeros.raw()) << coarse;
+          EXPECT_EQ(q.outlier_values, ref.outlier_values) << coarse;
+          EXPECT_EQ(q.outlier_pos, ref.outlier_pos) << coarse;
+          ++cases;
+        }
+      }
+  EXPECT_EQ(cases, 9 * 3 * 4 * 3);
+}
+#endif
+
 // The channel axis (boxes of G tokens of one channel; the AVX2 path's float filter with the
 // channels' statistics) gives the oracle's selection and dense part bit for bit on the same
 // kinds of rows, every token of a block drawn in the same mode.

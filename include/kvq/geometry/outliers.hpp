@@ -53,6 +53,7 @@ struct OutlierScratch {
   std::vector<float> score;       // [head_dim]
   std::vector<int32_t> idx;       // [head_dim]
   std::vector<uint8_t> mark;      // [head_dim]
+  std::vector<float> dense;       // [head_dim] (isolate_row_lean's rare exact path)
 };
 
 namespace detail {
@@ -307,13 +308,21 @@ inline float kth_of_lists(__m256* top, int64_t k) {
   return _mm256_cvtss_f32(t8);
 }
 
-/// Marks in m[0..(D + 63) / 64) the channels with score >= theta, rounded down to float so no
-/// channel at or above theta is missed; returns how many. The scores were stored 8 lanes wide,
-/// the width they are loaded at here (the loads take their data from the store queue).
-inline int64_t mark_at_least(const float* score, int64_t D, double theta, uint64_t* m) {
+/// The float filter's threshold (row_select_avx2): theta = (T' - E)(1 - 2^-16) - E with
+/// E = 2^-23 max(emax, 1), rounded down to float so no channel at or above theta is missed.
+inline float filter_threshold(float tk, double emax) {
+  const double E = 0x1p-23 * std::max(emax, 1.0);
+  const double theta = (static_cast<double>(tk) - E) * (1.0 - 0x1p-16) - E;
   auto th = static_cast<float>(theta);
   if (static_cast<double>(th) > theta)
     th = std::nextafter(th, -std::numeric_limits<float>::infinity());
+  return th;
+}
+
+/// Marks in m[0..(D + 63) / 64) the channels with score >= th; returns how many. The scores
+/// were stored 8 lanes wide, the width they are loaded at here (the loads take their data from
+/// the store queue).
+inline int64_t mark_at_least(const float* score, int64_t D, float th, uint64_t* m) {
   const __m256 th8 = _mm256_set1_ps(th);
   int64_t cnt = 0;
   for (int64_t w = 0; w < (D + 63) / 64; ++w) {
@@ -338,9 +347,7 @@ inline int64_t mark_at_least(const float* score, int64_t D, double theta, uint64
 template <int K, class Exact>
 inline void filter_select(const float* score, int64_t D, int64_t k, float tk, double emax,
                           bool guard, uint64_t* m, Exact&& exact) {
-  const double E = 0x1p-23 * std::max(emax, 1.0);
-  const double theta = (static_cast<double>(tk) - E) * (1.0 - 0x1p-16) - E;
-  const int64_t cnt = mark_at_least(score, D, theta, m);
+  const int64_t cnt = mark_at_least(score, D, filter_threshold(tk, emax), m);
   if (cnt == k && !guard) return;
   const bool every = guard || cnt < k;
   int32_t best[K];
@@ -392,8 +399,11 @@ struct RowStats {
   bool guard = false;
 };
 
-/// Fills st for row r[0..D) (gc % 8 == 0); false when r holds NaN or inf.
-inline bool row_stats_avx2(const float* r, int64_t D, int64_t gc, RowStats& st) {
+/// Fills st for row r[0..D) (gc % 8 == 0; GC > 0: gc == GC, fixed at compile time); false
+/// when r holds NaN or inf.
+template <int GC = 0>
+inline bool row_stats_avx2(const float* r, int64_t D, int64_t gc_rt, RowStats& st) {
+  const int64_t gc = GC > 0 ? GC : gc_rt;
   const int64_t nc = D / gc;
   const __m256d inv_n = _mm256_set1_pd(1.0 / static_cast<double>(gc));
   const __m256d sign_d = _mm256_set1_pd(-0.0), zero_d = _mm256_setzero_pd();
@@ -531,6 +541,116 @@ inline bool isolate_row_avx2(const float* r, int64_t D, int64_t gc, int64_t k, f
   marked_channels(m, D, k, sel);
   finish_row_avx2(r, D, gc, k, m, sel, st.mean, dense, vals, lo, hi);
   return true;
+}
+
+/// Lean AVX2 row isolation for the fused quantizer (quant/outlier_quant.hpp): the group size
+/// GC = 8 NV and k = K <= 4 fixed at compile time, D % GC == 0, D <= 64 * kRowMaskWords. The
+/// selection sel, vals and the dense ranges lo, hi of isolate_row_avx2, bit for bit, without
+/// writing the dense row: it is r with every entry clamped to its group's [lo, hi] (the
+/// non-selected entries lie inside it, and lo <= hi as GC > K), which the caller folds into its
+/// encoding. Statistics and float scores as row_select_avx2; then one pass marks the channels
+/// with s' >= theta and takes every group's min / max without them. When exactly K are marked
+/// they are the selection (row_select_avx2's common case) and those min / max are the dense
+/// ranges (a zero bound then takes the sign of the first non-selected zero); otherwise (near
+/// ties, a 1 / sd float cannot hold) it reruns isolate_row_avx2. False when r holds NaN or inf.
+template <int NV, int K>
+inline bool isolate_row_lean(const float* r, int64_t D, int32_t* sel, float* vals, float* lo,
+                             float* hi, OutlierScratch& sc) {
+  static_assert(K >= 1 && K <= 4, "isolate_row_lean: 1 <= K <= 4");
+  static_assert(NV == 4 || NV % 8 == 0, "isolate_row_lean: group of 32 or a multiple of 64");
+  constexpr int64_t GC = 8 * NV;
+  const int64_t nc = D / GC;
+  RowStats st = row_stats_scratch(sc, nc);
+  if (!row_stats_avx2<GC>(r, D, GC, st)) return false;
+  float* score = grow(sc.score, static_cast<std::size_t>(D));
+  __m256 top[K];  // per lane, its K largest s' (descending); -1 = none yet
+  for (auto& t : top) t = _mm256_set1_ps(-1.f);
+  const __m256 sign_f = _mm256_set1_ps(-0.f);
+  for (int64_t b = 0; b < nc; ++b) {
+    const __m256 mf = _mm256_broadcast_ss(st.fmean + b), fi = _mm256_broadcast_ss(st.fisd + b);
+    for (int j = 0; j < NV; ++j) {
+      const int64_t d = b * GC + 8 * j;
+      const __m256 a = _mm256_sub_ps(_mm256_loadu_ps(r + d), mf);
+      const __m256 s8 = _mm256_mul_ps(_mm256_andnot_ps(sign_f, a), fi);
+      _mm256_storeu_ps(score + d, s8);
+      top_k_insert<K>(top, s8);
+    }
+  }
+  const __m256 th8 = _mm256_set1_ps(filter_threshold(kth_of_lists<K>(top, K), st.emax));
+  const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256 ninf8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  // A marked lane becomes a NaN (every bit but the sign set), which vminps / vmaxps skip when
+  // it is their first operand (they return the second when either is NaN).
+  const __m256 nan_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  uint64_t m[kRowMaskWords] = {};
+  for (int64_t b = 0; b < nc; ++b) {
+    __m256 l8 = inf8, h8 = ninf8;
+    uint64_t acc = 0;  // selection bits of channels b * GC + 64 w .. + 64 (GC = 32: + 32)
+    for (int j = 0; j < NV; ++j) {
+      const int64_t d = b * GC + 8 * j;
+      const __m256 mk = _mm256_cmp_ps(_mm256_loadu_ps(score + d), th8, _CMP_GE_OQ);
+      acc |= static_cast<uint64_t>(static_cast<unsigned>(_mm256_movemask_ps(mk))) << (8 * (j % 8));
+      const __m256 v = _mm256_or_ps(_mm256_loadu_ps(r + d), _mm256_and_ps(mk, nan_bits));
+      l8 = _mm256_min_ps(v, l8);
+      h8 = _mm256_max_ps(v, h8);
+      if constexpr (GC >= 64) {
+        if (j % 8 == 7) {
+          m[(b * GC) / 64 + j / 8] = acc;
+          acc = 0;
+        }
+      }
+    }
+    if constexpr (GC == 32) m[b >> 1] |= acc << (32 * (b & 1));
+    lo[b] = _mm256_cvtss_f32(hmin8(l8));
+    hi[b] = _mm256_cvtss_f32(hmax8(h8));
+  }
+  int64_t cnt = 0;
+  for (int64_t w = 0; w < (D + 63) / 64; ++w) cnt += __builtin_popcountll(m[w]);
+  if (cnt != K || st.guard) {
+    float* dense = grow(sc.dense, static_cast<std::size_t>(D));
+    return isolate_row_avx2(r, D, GC, K, dense, sel, vals, lo, hi, sc);
+  }
+  for (int64_t b = 0; b < nc; ++b) {
+    // A zero bound takes the sign of the first zero in channel order (what std::min/max keep).
+    if (lo[b] == 0.f)
+      for (int64_t e = b * GC; e < (b + 1) * GC; ++e)
+        if (!marked(m, e) && r[e] == 0.f) {
+          lo[b] = r[e];
+          break;
+        }
+    if (hi[b] == 0.f)
+      for (int64_t e = b * GC; e < (b + 1) * GC; ++e)
+        if (!marked(m, e) && r[e] == 0.f) {
+          hi[b] = r[e];
+          break;
+        }
+  }
+  marked_channels(m, D, K, sel);
+  for (int j = 0; j < K; ++j) vals[j] = r[sel[j]];
+  return true;
+}
+
+/// isolate_row_lean for a group size and k known at run time: false (nothing done, *ok
+/// untouched) when (gc, k) has no lean instantiation (gc 32, 64 or 128; k 1..4), else true with
+/// *ok = isolate_row_lean's result.
+inline bool isolate_row_lean_rt(const float* r, int64_t D, int64_t gc, int64_t k, int32_t* sel,
+                                float* vals, float* lo, float* hi, OutlierScratch& sc, bool* ok) {
+#define KVQ_LEAN_K(NV)                                                              \
+  switch (k) {                                                                      \
+    case 1: *ok = isolate_row_lean<NV, 1>(r, D, sel, vals, lo, hi, sc); return true; \
+    case 2: *ok = isolate_row_lean<NV, 2>(r, D, sel, vals, lo, hi, sc); return true; \
+    case 3: *ok = isolate_row_lean<NV, 3>(r, D, sel, vals, lo, hi, sc); return true; \
+    case 4: *ok = isolate_row_lean<NV, 4>(r, D, sel, vals, lo, hi, sc); return true; \
+    default: return false;                                                          \
+  }
+  if (D > 64 * kRowMaskWords || D % gc != 0) return false;
+  switch (gc) {
+    case 32: KVQ_LEAN_K(4)
+    case 64: KVQ_LEAN_K(8)
+    case 128: KVQ_LEAN_K(16)
+    default: return false;
+  }
+#undef KVQ_LEAN_K
 }
 
 /// AVX2 isolate_outliers for the channel axis (boxes of G tokens of one channel), K = k <= 4,

@@ -141,6 +141,117 @@ inline bool int_params8(const IntCodec& c, const float* lo, const float* hi, int
 #endif
 #endif
 
+#if KVQ_HAS_AVX2
+/// The lean fused path's codes of one row r[0..D) (quantize_outlier_rows): group size 8 NV, a
+/// multiple of 32, so each 32-code chunk lies in one group and its broadcasts are hoisted; B-bit
+/// codes packed 32 at a time (write_row_codes' order). The dense row is r clamped to each
+/// group's [lo, hi]; the encoding f (int: fma(x - z, inv, off); nuq: (x - z) * inv) rounds
+/// monotonically, so f(clamp(x, lo, hi)) = clamp(f(x), min(f(lo), f(hi)), max(f(lo), f(hi)))
+/// exactly. Int: the codes' clamp to [0, qmax] and this one merge into one clamp to
+/// [ca_g, cb_g] (lean_int_bounds); nuq: u is clamped to [ca_g, cb_g] before the thresholds.
+template <int NV, int B, class Code8>
+__attribute__((always_inline)) inline void lean_row_codes(const float* r, int64_t D, uint8_t* out,
+                                                          Code8&& code8) {
+  static_assert(NV % 4 == 0, "lean_row_codes: the group is a multiple of 32 channels");
+  constexpr int64_t GC = 8 * NV;
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < D / GC; ++b)
+    for (int c = 0; c < NV / 4; ++c, out += 4 * B) {
+      const float* x = r + b * GC + 32 * c;
+      const __m256i p = _mm256_packs_epi32(code8(x, b), code8(x + 8, b));
+      const __m256i q = _mm256_packs_epi32(code8(x + 16, b), code8(x + 24, b));
+      pack32_store<B>(_mm256_permutevar8x32_epi32(_mm256_packus_epi16(p, q), order), out);
+    }
+}
+
+/// Per group (8 at a time; arrays padded to a multiple of 8) the int code bounds of the lean
+/// path: ca = clamp(min(f(lo), f(hi)), 0, qmax), cb = clamp(max(f(lo), f(hi)), 0, qmax), so
+/// min(max(f(x), ca), cb) = clamp(f(clamp(x, lo, hi)), 0, qmax), int_codes8 of the dense value.
+inline void lean_int_bounds(const IntCodec& c, int64_t nc, const float* lo, const float* hi,
+                            const float* z, const float* inv, float* ca, float* cb) {
+  const __m256 off = _mm256_set1_ps(c.lv.off), qmax = _mm256_set1_ps(c.lv.qmax);
+  const __m256 zero = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nc; b += 8) {
+    const __m256 Z = _mm256_loadu_ps(z + b), I = _mm256_loadu_ps(inv + b);
+    const __m256 fl = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_loadu_ps(lo + b), Z), I, off);
+    const __m256 fh = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_loadu_ps(hi + b), Z), I, off);
+    _mm256_storeu_ps(ca + b, _mm256_min_ps(_mm256_max_ps(_mm256_min_ps(fl, fh), zero), qmax));
+    _mm256_storeu_ps(cb + b, _mm256_min_ps(_mm256_max_ps(_mm256_max_ps(fl, fh), zero), qmax));
+  }
+}
+
+/// The nuq bounds of the lean path: [min(u(lo), u(hi)), max(u(lo), u(hi))], u(x) = (x - z) * inv.
+inline void lean_nuq_bounds(int64_t nc, const float* lo, const float* hi, const float* z,
+                            const float* inv, float* ca, float* cb) {
+  for (int64_t b = 0; b < nc; b += 8) {
+    const __m256 Z = _mm256_loadu_ps(z + b), I = _mm256_loadu_ps(inv + b);
+    const __m256 ul = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(lo + b), Z), I);
+    const __m256 uh = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(hi + b), Z), I);
+    _mm256_storeu_ps(ca + b, _mm256_min_ps(ul, uh));
+    _mm256_storeu_ps(cb + b, _mm256_max_ps(ul, uh));
+  }
+}
+
+/// The lean path's codes of one row for a group size gc in {32, 64, 128} (lean_row_codes).
+template <class Codec>
+inline void lean_codes(const Codec& codec, int bits, int64_t gc, const float* r, int64_t D,
+                       const float* z, const float* inv, const float* ca, const float* cb,
+                       uint8_t* out) {
+  auto run = [&](auto nv, auto bb) __attribute__((always_inline)) {
+    constexpr int NV = decltype(nv)::value, B = decltype(bb)::value;
+    if constexpr (std::is_same_v<Codec, IntCodec>) {
+      const __m256 off = _mm256_set1_ps(codec.lv.off);
+      lean_row_codes<NV, B>(r, D, out, [&](const float* x, int64_t b) __attribute__((always_inline)) {
+        const __m256 v = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_loadu_ps(x), _mm256_broadcast_ss(z + b)),
+                                         _mm256_broadcast_ss(inv + b), off);
+        return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, _mm256_broadcast_ss(ca + b)),
+                                                _mm256_broadcast_ss(cb + b)));
+      });
+    } else {
+      constexpr int nthr = B == 8 ? 1 : (1 << B) - 1;
+      __m256 thr[nthr];
+      for (int j = 0; j < nthr; ++j) thr[j] = _mm256_set1_ps(codec.thr[j]);
+      lean_row_codes<NV, B>(r, D, out, [&](const float* x, int64_t b) __attribute__((always_inline)) {
+        __m256 u = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), _mm256_broadcast_ss(z + b)),
+                                 _mm256_broadcast_ss(inv + b));
+        u = _mm256_min_ps(_mm256_max_ps(u, _mm256_broadcast_ss(ca + b)), _mm256_broadcast_ss(cb + b));
+        __m256i code = _mm256_setzero_si256();
+        for (int j = 0; j < nthr; ++j)
+          code = _mm256_sub_epi32(code, _mm256_castps_si256(_mm256_cmp_ps(u, thr[j], _CMP_GE_OQ)));
+        return code;
+      });
+    }
+  };
+  auto by_bits = [&](auto nv) __attribute__((always_inline)) {
+    using I = std::integral_constant<int, 2>;
+    switch (bits) {
+      case 2: return run(nv, I{});
+      case 3: return run(nv, std::integral_constant<int, 3>{});
+      case 4: return run(nv, std::integral_constant<int, 4>{});
+      default:
+        if constexpr (std::is_same_v<Codec, IntCodec>) return run(nv, std::integral_constant<int, 8>{});
+    }
+  };
+  switch (gc) {
+    case 32: return by_bits(std::integral_constant<int, 4>{});
+    case 64: return by_bits(std::integral_constant<int, 8>{});
+    default: return by_bits(std::integral_constant<int, 16>{});
+  }
+}
+
+/// memcpy of n bytes with the common sizes fixed (no library call).
+inline void copy_small(uint8_t* dst, const void* src, std::size_t n) {
+  switch (n) {
+    case 2: std::memcpy(dst, src, 2); return;
+    case 4: std::memcpy(dst, src, 4); return;
+    case 8: std::memcpy(dst, src, 8); return;
+    case 16: std::memcpy(dst, src, 16); return;
+    case 32: std::memcpy(dst, src, 32); return;
+    default: std::memcpy(dst, src, n); return;
+  }
+}
+#endif
+
 /// The fused token-axis path (see the file comment): every vector of x is isolated
 /// (isolate_row), checked, encoded with `codec` (bits-wide codes) and written to q. Two vectors
 /// are in flight at a time (isolation of both, then parameters of both, then encoding of both)
@@ -156,7 +267,8 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
   const int64_t H = s.heads, D = s.head_dim, gc = box.gc, nc = box.nc, V = s.tokens * H;
   q.codes[packed_bytes(static_cast<std::size_t>(n), bits) - 1] = 0;  // unused trailing bits
   constexpr int R = 2;  // vectors in flight
-  const int64_t np = std::max<int64_t>(nc, 8);  // per-group arrays hold 8 lanes at least
+  // per-group arrays: 8 lanes at least, a multiple of 8
+  const int64_t np = (std::max<int64_t>(nc, 8) + 7) / 8 * 8;
   const auto uD = static_cast<std::size_t>(D), unp = static_cast<std::size_t>(np);
   float* buf = QuantWorkspace::at_least(ws.buf, R * uD);
   float* dense = QuantWorkspace::at_least(ws.dense, R * uD);
@@ -170,6 +282,20 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
   float* pi = QuantWorkspace::at_least(ws.iv, R * unp);
   float* ps = QuantWorkspace::at_least(ws.u, R * unp);
   const MetaDType meta = cfg.meta;
+  // The lean path (int and nuq codecs, group 32, 64 or 128, k <= 4): isolate_row_lean, no
+  // dense row (the codes clamp to the dense ranges, lean_codes), code bounds in ca / cb.
+  [[maybe_unused]] bool lean = false;
+  [[maybe_unused]] float* ca = nullptr;
+  [[maybe_unused]] float* cb = nullptr;
+  const float* rows[R] = {};
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+  if constexpr (std::is_same_v<Codec, IntCodec> || std::is_same_v<Codec, NuqCodec>) {
+    lean = (gc == 32 || gc == 64 || gc == 128) && k >= 1 && k <= 4 &&
+           D <= 64 * detail::kRowMaskWords && D < (int64_t{1} << 16);
+    ca = QuantWorkspace::at_least(ws.ca, R * unp);
+    cb = QuantWorkspace::at_least(ws.cb, R * unp);
+  }
+#endif
   const int pb = outlier_pos_bytes(D);
   const std::size_t row_bytes = uD * sizeof(T);
   // Codes 8 at a time (gc % 8 == 0, so D % 8 == 0: rows start on a byte); the group of
@@ -189,9 +315,15 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
       const float* r = load_row(x, t, h, buf + i * uD);
       int32_t* sl = sel + i * k;
       float* vl = vals + i * k;
-      if (!isolate_row(r, D, gc, k, dense + i * uD, sl, vl, lo + i * unp, hi + i * unp,
-                       ws.outlier))
-        throw_non_finite_row(x, t, h, "quantize");
+      rows[i] = r;
+      bool ok = false;
+#if KVQ_HAS_AVX2
+      if (!lean || !isolate_row_lean_rt(r, D, gc, k, sl, vl, lo + i * unp, hi + i * unp,
+                                        ws.outlier, &ok))
+#endif
+        ok = isolate_row(r, D, gc, k, dense + i * uD, sl, vl, lo + i * unp, hi + i * unp,
+                         ws.outlier);
+      if (!ok) throw_non_finite_row(x, t, h, "quantize");
       for (int64_t j = 0; j < k; ++j)
         if (!(std::fabs(vl[j]) < 65520.f)) throw_outlier_range(vl[j], sl[j], v, H);
     }
@@ -214,11 +346,11 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
                              _mm256_cvtps_ph(_mm256_loadu_ps(sg), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             _mm_storeu_si128(reinterpret_cast<__m128i*>(hz),
                              _mm256_cvtps_ph(_mm256_loadu_ps(zg), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            std::memcpy(q.scales + 2 * g0, hs, static_cast<std::size_t>(2 * nc));
-            if (codec.has_zero()) std::memcpy(q.zeros + 2 * g0, hz, static_cast<std::size_t>(2 * nc));
+            copy_small(q.scales + 2 * g0, hs, static_cast<std::size_t>(2 * nc));
+            if (codec.has_zero()) copy_small(q.zeros + 2 * g0, hz, static_cast<std::size_t>(2 * nc));
           } else {
-            std::memcpy(q.scales + 4 * g0, sg, static_cast<std::size_t>(4 * nc));
-            if (codec.has_zero()) std::memcpy(q.zeros + 4 * g0, zg, static_cast<std::size_t>(4 * nc));
+            copy_small(q.scales + 4 * g0, sg, static_cast<std::size_t>(4 * nc));
+            if (codec.has_zero()) copy_small(q.zeros + 4 * g0, zg, static_cast<std::size_t>(4 * nc));
           }
         }
       }
@@ -232,6 +364,14 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
           zg[b] = p.zero;
           ig[b] = p.inv;
         }
+#if KVQ_HAS_AVX2
+      if (lean) {
+        if constexpr (std::is_same_v<Codec, IntCodec>)
+          lean_int_bounds(codec, nc, l, u, zg, ig, ca + i * unp, cb + i * unp);
+        else if constexpr (std::is_same_v<Codec, NuqCodec>)
+          lean_nuq_bounds(nc, l, u, zg, ig, ca + i * unp, cb + i * unp);
+      }
+#endif
     }
     for (int i = 0; i < nr; ++i) {  // codes
       const int64_t v = v0 + i;
@@ -240,6 +380,12 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
       const float* ig = pi + i * unp;
       uint8_t* cd = codes + i * uD;
 #if KVQ_HAS_AVX2
+      if (lean) {
+        if constexpr (std::is_same_v<Codec, IntCodec> || std::is_same_v<Codec, NuqCodec>)
+          lean_codes(codec, bits, gc, rows[i], D, zg, ig, ca + i * unp, cb + i * unp,
+                     q.codes + static_cast<std::size_t>(v * D) * static_cast<std::size_t>(bits) / 8);
+        continue;
+      }
       if (chunked) {
         uint8_t* out = q.codes + static_cast<std::size_t>(v * D) * static_cast<std::size_t>(bits) / 8;
         if constexpr (std::is_same_v<Codec, IntCodec>) {

@@ -148,6 +148,7 @@ struct QuantWorkspace {
   std::vector<float> buf, u, r;       // [head_dim] one row
   std::vector<uint8_t> codes, signs;  // [head_dim] unpacked codes / QJL signs
   std::vector<float> lo, hi, zv, iv;  // [heads * head_dim] per-block group parameters
+  std::vector<float> ca, cb;          // dense-and-sparse lean path: per-group code bounds
   std::vector<float> dense, ovals;    // dense-and-sparse: [tokens, heads, head_dim], [.., k]
   std::vector<int32_t> sel;           // dense-and-sparse: [tokens, heads, k] channels
   OutlierScratch outlier;             // selection statistics (geometry/outliers.hpp)
