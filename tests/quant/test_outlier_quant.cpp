@@ -289,25 +289,43 @@ TEST(OutlierRow, PathsMatchOracleBitForBit) {
 // or where a score's rounding matters: exact ties everywhere, values a few ulps apart, repeated
 // extremes, top scores sharing one box side, and extremes far above a negative mean (there a
 // score's rounding error exceeds the extreme's own ulp). 1500 rows against the oracle.
+// Rows of TiesAndUlpNeighboursMatchOracle (seed picks the mode); modes 5 to 7 put a mean of
+// a few hundred to a few thousand standard deviations under near-tied extremes, where the float
+// statistics of isolate_row_lean are off by more than the extremes' gaps (mode 7: the groups'
+// extremes a few ulps apart, so its error bound E decides; without it the filter picks wrong).
+std::vector<float> ulp_row(uint32_t seed, int64_t D) {
+  std::mt19937 rng(seed);
+  std::vector<float> r(static_cast<std::size_t>(D));
+  const int mode = static_cast<int>((seed / 4) % 8);
+  for (int64_t d = 0; d < D; ++d) {
+    const int u = static_cast<int>(rng() % 7);
+    switch (mode) {
+      case 0: r[d] = static_cast<float>(u) - 3.f; break;  // exact ties everywhere
+      case 1: r[d] = std::ldexp(1.f + static_cast<float>(rng() % 5) * 0x1p-23f, u % 3); break;
+      case 2: r[d] = (u == 0 ? 5.f : 0.f) + 0x1p-20f * static_cast<float>(rng() % 3); break;
+      case 3: r[d] = 0.37f * static_cast<float>(u * u) - 1.1f; break;  // tied extremes
+      case 5: r[d] = 300.f + 0.5f * static_cast<float>(u) + (u == 6 ? 0x1p-15f * static_cast<float>(rng() % 4) : 0.f); break;
+      case 6: r[d] = -2000.f + 0.25f * static_cast<float>(u % 3) + (u == 6 ? 3.f + 0x1p-13f * static_cast<float>(rng() % 3) : 0.f); break;
+      case 7: {  // every group one continuous pattern at its own offset, extremes ulps apart
+        const int64_t j = d % 32;
+        const float pat = 0.37f * static_cast<float>((j * 7919 + static_cast<int64_t>(seed)) % 97) / 97.f;
+        r[d] = 1000.f + 37.f * static_cast<float>(d / 32) + 3.1f * pat +
+               (j == 5 ? 6.f + 0x1p-14f * static_cast<float>(rng() % 5) : 0.f);
+        break;
+      }
+      default:  // extremes far above a negative mean: a score's rounding exceeds their ulp
+        r[d] = u < 5 ? -1.f - 0x1p-10f * static_cast<float>(u) : 1e-3f * static_cast<float>(u - 4);
+    }
+  }
+  return r;
+}
+
 TEST(OutlierRow, TiesAndUlpNeighboursMatchOracle) {
   int cases = 0;
   for (uint32_t seed = 0; seed < 1500; ++seed) {
-    std::mt19937 rng(seed);
     const int64_t D = seed % 3 == 0 ? 64 : 128, gc = seed % 5 == 0 ? 64 : 32;
     const int64_t k = 1 + static_cast<int64_t>(seed % 4);
-    std::vector<float> r(static_cast<std::size_t>(D));
-    const int mode = static_cast<int>((seed / 4) % 5);
-    for (int64_t d = 0; d < D; ++d) {
-      const int u = static_cast<int>(rng() % 7);
-      switch (mode) {
-        case 0: r[d] = static_cast<float>(u) - 3.f; break;  // exact ties everywhere
-        case 1: r[d] = std::ldexp(1.f + static_cast<float>(rng() % 5) * 0x1p-23f, u % 3); break;
-        case 2: r[d] = (u == 0 ? 5.f : 0.f) + 0x1p-20f * static_cast<float>(rng() % 3); break;
-        case 3: r[d] = 0.37f * static_cast<float>(u * u) - 1.1f; break;  // tied extremes
-        default:  // extremes far above a negative mean: a score's rounding exceeds their ulp
-          r[d] = u < 5 ? -1.f - 0x1p-10f * static_cast<float>(u) : 1e-3f * static_cast<float>(u - 4);
-      }
-    }
+    const std::vector<float> r = ulp_row(seed, D);
     const auto ref = kvq::reference::split_outliers(
         kvq::Axis::kToken, gc, k, kvq::KVView<const float>(r.data(), {1, 1, D}));
     const int64_t nc = D / gc;
@@ -380,6 +398,32 @@ TEST(OutlierRow, LeanIsolationMatchesOracle) {
       }
   EXPECT_GT(cases, 1000);
   EXPECT_GT(lean, 300);
+  // The near-tie rows of TiesAndUlpNeighboursMatchOracle, selection and ranges.
+  for (uint32_t seed = 0; seed < 2100; ++seed) {
+    const int64_t D = seed % 3 == 0 ? 64 : 128, gc = seed % 5 == 0 ? 64 : 32;
+    const int64_t k = 1 + static_cast<int64_t>(seed % 4);
+    const std::vector<float> r = ulp_row(seed, D);
+    const auto ref = kvq::reference::split_outliers(
+        kvq::Axis::kToken, gc, k, kvq::KVView<const float>(r.data(), {1, 1, D}));
+    std::vector<float> vals(static_cast<std::size_t>(k)), lo(D / gc), hi(D / gc);
+    std::vector<int32_t> sel(static_cast<std::size_t>(k));
+    kvq::OutlierScratch sc;
+    bool ok = false;
+    ASSERT_TRUE(kvq::detail::isolate_row_lean_rt(r.data(), D, gc, k, sel.data(), vals.data(),
+                                                 lo.data(), hi.data(), sc, &ok));
+    ASSERT_TRUE(ok);
+    SCOPED_TRACE(::testing::Message() << "ulp row seed=" << seed << " D=" << D << " gc=" << gc);
+    ASSERT_EQ(sel, ref.sel);
+    for (int64_t b = 0; b < D / gc; ++b) {
+      float l = INFINITY, h = -INFINITY;
+      for (int64_t d = b * gc; d < (b + 1) * gc; ++d)
+        if (std::find(ref.sel.begin(), ref.sel.end(), d) == ref.sel.end()) {
+          l = std::min(l, r[static_cast<std::size_t>(d)]);
+          h = std::max(h, r[static_cast<std::size_t>(d)]);
+        }
+      ASSERT_TRUE(same_bits(&lo[b], &l, 1) && same_bits(&hi[b], &h, 1)) << b;
+    }
+  }
   // Not instantiated: other groups, k > 4; non-finite rows refused.
   std::vector<float> row(128, 1.f), v(5), lo(4), hi(4);
   std::vector<int32_t> sel(5);

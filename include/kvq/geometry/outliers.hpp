@@ -202,7 +202,7 @@ __attribute__((always_inline)) inline void marked_channels(const uint64_t* m, in
                                                           int64_t k, int32_t* sel) {
   uint64_t w[kRowMaskWords];
   const int64_t nw = (D + 63) / 64;
-  for (int64_t i = 0; i < nw; ++i) w[i] = m[i];
+  for (int64_t i = 0; i < kRowMaskWords; ++i) w[i] = i < nw ? m[i] : 0;
   for (int64_t j = 0; j < k; ++j) {
     int64_t pos = 0;
     bool found = false;
@@ -399,11 +399,8 @@ struct RowStats {
   bool guard = false;
 };
 
-/// Fills st for row r[0..D) (gc % 8 == 0; GC > 0: gc == GC, fixed at compile time); false
-/// when r holds NaN or inf.
-template <int GC = 0>
-inline bool row_stats_avx2(const float* r, int64_t D, int64_t gc_rt, RowStats& st) {
-  const int64_t gc = GC > 0 ? GC : gc_rt;
+/// Fills st for row r[0..D) (gc % 8 == 0); false when r holds NaN or inf.
+inline bool row_stats_avx2(const float* r, int64_t D, int64_t gc, RowStats& st) {
   const int64_t nc = D / gc;
   const __m256d inv_n = _mm256_set1_pd(1.0 / static_cast<double>(gc));
   const __m256d sign_d = _mm256_set1_pd(-0.0), zero_d = _mm256_setzero_pd();
@@ -543,6 +540,55 @@ inline bool isolate_row_avx2(const float* r, int64_t D, int64_t gc, int64_t k, f
   return true;
 }
 
+/// isolate_row_lean's exact path (isolate_row_avx2, its dense row into scratch), out of line.
+__attribute__((noinline)) inline bool isolate_row_lean_exact(const float* r, int64_t D, int64_t gc,
+                                                             int64_t k, int32_t* sel, float* vals,
+                                                             float* lo, float* hi,
+                                                             OutlierScratch& sc) {
+  float* dense = grow(sc.dense, static_cast<std::size_t>(D));
+  return isolate_row_avx2(r, D, gc, k, dense, sel, vals, lo, hi, sc);
+}
+
+/// Sum of the 8 lanes of v (a fixed tree of 3 additions).
+inline float hsum8(__m256 v) {
+  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 1));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm256_cvtss_f32(_mm256_add_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/// The threshold of isolate_row_lean's filter, whose statistics are float: per group of
+/// n = 8 NV channels the mean c = fl(sum) / n (two lanes of 8 partial sums, a tree of 3) and
+/// f = fl(1 / sqrt(fl(sum (x - c)^2) / n)) (the same shape, fma), where the exact definition has
+/// the double mean m and 1 / sd (isd). Let u = 2^-24, L = NV + 4 (at least the depth of both
+/// sums), e >= max_g |m| isd, and the group's variance in [2^-100, 2^100] (the caller checks;
+/// no underflow or overflow matters then).
+///  - Mean: |c - m| <= d = (1.01 L u + 2^-45) sum |x| / n + 2^-149, and sum |x| / n <= |m| + sd
+///    (Cauchy-Schwarz), so in score units Em = d isd <= 1.01 (1.01 L u + 2^-45)(e + 1) + 2^-90.
+///  - Spread: sum (x - c)^2 = sum (x - m)^2 + n (c - m)^2, all terms >= 0, so the float sum is
+///    the exact variance times (1 + Em^2)(1 +- eQ), eQ = 1.01 (NV + 6) u; the square root,
+///    division and their roundings leave |f / isd - 1| <= rho = 0.51 (eQ + Em^2) + 3.1 u + 2^-40.
+///  - Scores: s' = fl(|fl(x - c)| f) and the exact score s (rounded in double, then float)
+///    satisfy s (1 - rr) - E <= s' <= s (1 + rr) + E, rr = 3.1 u + 1.01 rho, E = 1.01 Em.
+/// As in row_select_avx2, T' (the k-th largest s') gives the exact k-th score T >=
+/// (T' - E) / (1 + rr), and every channel with s >= T has s' >= (T' - E)(1 - 2.01 rr) - E,
+/// returned rounded down to float. emax_f: max_g |c| f; the caller takes the exact path when it
+/// exceeds 2^12 (then e = 1.01 emax_f + 0.01 bounds max |m| isd, as Em, rho << 1).
+inline float lean_filter_threshold(float tk, float emax_f, int NV) {
+  const double u = 0x1p-24;
+  const double e = 1.01 * static_cast<double>(emax_f) + 0.01;
+  const double Lu = 1.01 * (NV + 4) * u + 0x1p-45;
+  const double Em = 1.01 * Lu * (e + 1.0) + 0x1p-90;
+  const double eQ = 1.01 * (NV + 6) * u;
+  const double rho = 0.51 * (eQ + Em * Em) + 3.1 * u + 0x1p-40;
+  const double rr = 3.1 * u + 1.01 * rho;
+  const double E = 1.01 * Em;
+  const double theta = (static_cast<double>(tk) - E) * (1.0 - 2.01 * rr) - E;
+  auto th = static_cast<float>(theta);
+  if (static_cast<double>(th) > theta)
+    th = std::nextafter(th, -std::numeric_limits<float>::infinity());
+  return th;
+}
+
 /// Lean AVX2 row isolation for the fused quantizer (quant/outlier_quant.hpp): the group size
 /// GC = 8 NV and k = K <= 4 fixed at compile time, D % GC == 0, D <= 64 * kRowMaskWords. The
 /// selection sel, vals and the dense ranges lo, hi of isolate_row_avx2, bit for bit, without
@@ -560,29 +606,57 @@ inline bool isolate_row_lean(const float* r, int64_t D, int32_t* sel, float* val
   static_assert(NV == 4 || NV % 8 == 0, "isolate_row_lean: group of 32 or a multiple of 64");
   constexpr int64_t GC = 8 * NV;
   const int64_t nc = D / GC;
-  RowStats st = row_stats_scratch(sc, nc);
-  if (!row_stats_avx2<GC>(r, D, GC, st)) return false;
+  // Float statistics (see lean_filter_threshold): mean and variance in float, two lanes of
+  // partial sums; a group outside the proven range takes the exact path.
+  float fm[64 * kRowMaskWords / 32], fi[64 * kRowMaskWords / 32];
+  float emax = 0.f;
+  bool in_range = true;
+  constexpr float inv_gc = 1.f / static_cast<float>(GC);
+  for (int64_t b = 0; b < nc; ++b) {
+    const float* x = r + b * GC;
+    __m256 a0 = _mm256_loadu_ps(x), a1 = _mm256_loadu_ps(x + 8);
+    for (int j = 2; j < NV; j += 2) {
+      a0 = _mm256_add_ps(a0, _mm256_loadu_ps(x + 8 * j));
+      a1 = _mm256_add_ps(a1, _mm256_loadu_ps(x + 8 * j + 8));
+    }
+    const float mean = hsum8(_mm256_add_ps(a0, a1)) * inv_gc;
+    const __m256 mv = _mm256_set1_ps(mean);
+    __m256 q0 = _mm256_setzero_ps(), q1 = q0;
+    for (int j = 0; j < NV; j += 2) {
+      const __m256 d0 = _mm256_sub_ps(_mm256_loadu_ps(x + 8 * j), mv);
+      const __m256 d1 = _mm256_sub_ps(_mm256_loadu_ps(x + 8 * j + 8), mv);
+      q0 = _mm256_fmadd_ps(d0, d0, q0);
+      q1 = _mm256_fmadd_ps(d1, d1, q1);
+    }
+    const float var = hsum8(_mm256_add_ps(q0, q1)) * inv_gc;
+    in_range &= var >= 0x1p-100f && var <= 0x1p100f && std::fabs(mean) <= 0x1p120f;
+    fm[b] = mean;
+    fi[b] = 1.f / std::sqrt(var);
+    emax = std::max(emax, std::fabs(mean) * fi[b]);
+  }
+  if (!in_range || !(emax <= 0x1p12f)) return isolate_row_lean_exact(r, D, GC, K, sel, vals, lo, hi, sc);
   float* score = grow(sc.score, static_cast<std::size_t>(D));
   __m256 top[K];  // per lane, its K largest s' (descending); -1 = none yet
   for (auto& t : top) t = _mm256_set1_ps(-1.f);
   const __m256 sign_f = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < nc; ++b) {
-    const __m256 mf = _mm256_broadcast_ss(st.fmean + b), fi = _mm256_broadcast_ss(st.fisd + b);
+    const __m256 mf = _mm256_set1_ps(fm[b]), fiv = _mm256_set1_ps(fi[b]);
     for (int j = 0; j < NV; ++j) {
       const int64_t d = b * GC + 8 * j;
       const __m256 a = _mm256_sub_ps(_mm256_loadu_ps(r + d), mf);
-      const __m256 s8 = _mm256_mul_ps(_mm256_andnot_ps(sign_f, a), fi);
+      const __m256 s8 = _mm256_mul_ps(_mm256_andnot_ps(sign_f, a), fiv);
       _mm256_storeu_ps(score + d, s8);
       top_k_insert<K>(top, s8);
     }
   }
-  const __m256 th8 = _mm256_set1_ps(filter_threshold(kth_of_lists<K>(top, K), st.emax));
+  const __m256 th8 = _mm256_set1_ps(lean_filter_threshold(kth_of_lists<K>(top, K), emax, NV));
   const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256 ninf8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   // A marked lane becomes a NaN (every bit but the sign set), which vminps / vmaxps skip when
   // it is their first operand (they return the second when either is NaN).
   const __m256 nan_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   uint64_t m[kRowMaskWords] = {};
+  bool zero_bound = false;
   for (int64_t b = 0; b < nc; ++b) {
     __m256 l8 = inf8, h8 = ninf8;
     uint64_t acc = 0;  // selection bits of channels b * GC + 64 w .. + 64 (GC = 32: + 32)
@@ -601,16 +675,15 @@ inline bool isolate_row_lean(const float* r, int64_t D, int32_t* sel, float* val
       }
     }
     if constexpr (GC == 32) m[b >> 1] |= acc << (32 * (b & 1));
-    lo[b] = _mm256_cvtss_f32(hmin8(l8));
-    hi[b] = _mm256_cvtss_f32(hmax8(h8));
+    const float l = _mm256_cvtss_f32(hmin8(l8)), h = _mm256_cvtss_f32(hmax8(h8));
+    lo[b] = l;
+    hi[b] = h;
+    zero_bound |= (l == 0.f) | (h == 0.f);
   }
   int64_t cnt = 0;
   for (int64_t w = 0; w < (D + 63) / 64; ++w) cnt += __builtin_popcountll(m[w]);
-  if (cnt != K || st.guard) {
-    float* dense = grow(sc.dense, static_cast<std::size_t>(D));
-    return isolate_row_avx2(r, D, GC, K, dense, sel, vals, lo, hi, sc);
-  }
-  for (int64_t b = 0; b < nc; ++b) {
+  if (cnt != K) return isolate_row_lean_exact(r, D, GC, K, sel, vals, lo, hi, sc);
+  for (int64_t b = 0; zero_bound && b < nc; ++b) {
     // A zero bound takes the sign of the first zero in channel order (what std::min/max keep).
     if (lo[b] == 0.f)
       for (int64_t e = b * GC; e < (b + 1) * GC; ++e)
@@ -630,9 +703,9 @@ inline bool isolate_row_lean(const float* r, int64_t D, int32_t* sel, float* val
   return true;
 }
 
-/// isolate_row_lean for a group size and k known at run time: false (nothing done, *ok
-/// untouched) when (gc, k) has no lean instantiation (gc 32, 64 or 128; k 1..4), else true with
-/// *ok = isolate_row_lean's result.
+/// isolate_row_lean for a group size and k known at run time (D % gc == 0): false (nothing
+/// done, *ok untouched) when (gc, k) has no lean instantiation (gc 32, 64 or 128; k 1..4; D <=
+/// 64 * kRowMaskWords), else true with *ok = isolate_row_lean's result.
 inline bool isolate_row_lean_rt(const float* r, int64_t D, int64_t gc, int64_t k, int32_t* sel,
                                 float* vals, float* lo, float* hi, OutlierScratch& sc, bool* ok) {
 #define KVQ_LEAN_K(NV)                                                              \
@@ -643,7 +716,7 @@ inline bool isolate_row_lean_rt(const float* r, int64_t D, int64_t gc, int64_t k
     case 4: *ok = isolate_row_lean<NV, 4>(r, D, sel, vals, lo, hi, sc); return true; \
     default: return false;                                                          \
   }
-  if (D > 64 * kRowMaskWords || D % gc != 0) return false;
+  if (D > 64 * kRowMaskWords) return false;
   switch (gc) {
     case 32: KVQ_LEAN_K(4)
     case 64: KVQ_LEAN_K(8)

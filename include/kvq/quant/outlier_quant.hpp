@@ -290,7 +290,7 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
   const float* rows[R] = {};
 #if KVQ_HAS_AVX2 && KVQ_HAS_F16C
   if constexpr (std::is_same_v<Codec, IntCodec> || std::is_same_v<Codec, NuqCodec>) {
-    lean = (gc == 32 || gc == 64 || gc == 128) && k >= 1 && k <= 4 &&
+    lean = (gc == 32 || gc == 64 || gc == 128) && D % gc == 0 && k >= 1 && k <= 4 &&
            D <= 64 * detail::kRowMaskWords && D < (int64_t{1} << 16);
     ca = QuantWorkspace::at_least(ws.ca, R * unp);
     cb = QuantWorkspace::at_least(ws.cb, R * unp);
