@@ -556,8 +556,24 @@ inline float hsum8(__m256 v) {
   return _mm256_cvtss_f32(_mm256_add_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1))));
 }
 
+/// op over the 8 lanes of each of v[0..n) (n >= 1), as lane j of the result for v[j]: a fixed
+/// tree of 3 levels (pairs of neighbouring lanes, pairs of those, the two 128-bit halves).
+/// Lanes >= n: n <= 4, copies of lanes 0-3; else op over pad.
+template <class Op>
+__attribute__((always_inline)) inline __m256 reduce8(const __m256* v, int64_t n, __m256 pad, Op op) {
+  auto pairs = [&](__m256 a, __m256 c) __attribute__((always_inline)) {
+    return op(_mm256_shuffle_ps(a, c, _MM_SHUFFLE(2, 0, 2, 0)), _mm256_shuffle_ps(a, c, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  auto at = [&](int j) __attribute__((always_inline)) { return j < n ? v[j] : pad; };
+  // [a01 a23 c01 c23 | a45 a67 c45 c67], then [v0 v1 v2 v3 quarter sums | ...]
+  const __m256 u = pairs(pairs(at(0), at(1)), pairs(at(2), at(3)));
+  if (n <= 4) return op(u, _mm256_permute2f128_ps(u, u, 0x01));
+  const __m256 w = pairs(pairs(at(4), at(5)), pairs(at(6), at(7)));
+  return op(_mm256_permute2f128_ps(u, w, 0x20), _mm256_permute2f128_ps(u, w, 0x31));
+}
+
 /// The threshold of isolate_row_lean's filter, whose statistics are float: per group of
-/// n = 8 NV channels the mean c = fl(sum) / n (two lanes of 8 partial sums, a tree of 3) and
+/// n = 8 NV channels the mean c = fl(sum) / n (two lanes of 8 partial sums, reduce8) and
 /// f = fl(1 / sqrt(fl(sum (x - c)^2) / n)) (the same shape, fma), where the exact definition has
 /// the double mean m and 1 / sd (isd). Let u = 2^-24, L = NV + 4 (at least the depth of both
 /// sums), e >= max_g |m| isd, and the group's variance in [2^-100, 2^100] (the caller checks;
@@ -606,12 +622,14 @@ inline bool isolate_row_lean(const float* r, int64_t D, int32_t* sel, float* val
   static_assert(NV == 4 || NV % 8 == 0, "isolate_row_lean: group of 32 or a multiple of 64");
   constexpr int64_t GC = 8 * NV;
   const int64_t nc = D / GC;
-  // Float statistics (see lean_filter_threshold): mean and variance in float, two lanes of
-  // partial sums; a group outside the proven range takes the exact path.
-  float fm[64 * kRowMaskWords / 32], fi[64 * kRowMaskWords / 32];
-  float emax = 0.f;
-  bool in_range = true;
-  constexpr float inv_gc = 1.f / static_cast<float>(GC);
+  // Float statistics (see lean_filter_threshold): per group two lanes of partial sums, the
+  // groups' 8-lane vectors reduced 8 groups at a time (reduce8); a group outside the proven
+  // range takes the exact path.
+  constexpr int kMaxGroups = 64 * kRowMaskWords / 32;
+  alignas(32) float fm[kMaxGroups], fi[kMaxGroups];
+  __m256 part[kMaxGroups];
+  const __m256 inv_gc = _mm256_set1_ps(1.f / static_cast<float>(GC));
+  const __m256 zero8 = _mm256_setzero_ps();
   for (int64_t b = 0; b < nc; ++b) {
     const float* x = r + b * GC;
     __m256 a0 = _mm256_loadu_ps(x), a1 = _mm256_loadu_ps(x + 8);
@@ -619,22 +637,42 @@ inline bool isolate_row_lean(const float* r, int64_t D, int32_t* sel, float* val
       a0 = _mm256_add_ps(a0, _mm256_loadu_ps(x + 8 * j));
       a1 = _mm256_add_ps(a1, _mm256_loadu_ps(x + 8 * j + 8));
     }
-    const float mean = hsum8(_mm256_add_ps(a0, a1)) * inv_gc;
-    const __m256 mv = _mm256_set1_ps(mean);
-    __m256 q0 = _mm256_setzero_ps(), q1 = q0;
+    part[b] = _mm256_add_ps(a0, a1);
+  }
+  for (int64_t b = 0; b < nc; b += 8)
+    _mm256_store_ps(fm + b, _mm256_mul_ps(reduce8(part + b, nc - b, zero8, [](__m256 a, __m256 c) { return _mm256_add_ps(a, c); }), inv_gc));
+  for (int64_t b = 0; b < nc; ++b) {
+    const float* x = r + b * GC;
+    const __m256 mv = _mm256_set1_ps(fm[b]);
+    __m256 q0 = zero8, q1 = zero8;
     for (int j = 0; j < NV; j += 2) {
       const __m256 d0 = _mm256_sub_ps(_mm256_loadu_ps(x + 8 * j), mv);
       const __m256 d1 = _mm256_sub_ps(_mm256_loadu_ps(x + 8 * j + 8), mv);
       q0 = _mm256_fmadd_ps(d0, d0, q0);
       q1 = _mm256_fmadd_ps(d1, d1, q1);
     }
-    const float var = hsum8(_mm256_add_ps(q0, q1)) * inv_gc;
-    in_range &= var >= 0x1p-100f && var <= 0x1p100f && std::fabs(mean) <= 0x1p120f;
-    fm[b] = mean;
-    fi[b] = 1.f / std::sqrt(var);
-    emax = std::max(emax, std::fabs(mean) * fi[b]);
+    part[b] = _mm256_add_ps(q0, q1);
   }
-  if (!in_range || !(emax <= 0x1p12f)) return isolate_row_lean_exact(r, D, GC, K, sel, vals, lo, hi, sc);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 emax8 = zero8;
+  int bad = 0;
+  for (int64_t b = 0; b < nc; b += 8) {
+    const __m256 var = _mm256_mul_ps(reduce8(part + b, nc - b, zero8, [](__m256 a, __m256 c) { return _mm256_add_ps(a, c); }), inv_gc);
+    const __m256 m8 = _mm256_load_ps(fm + b);
+    const __m256 ok = _mm256_and_ps(
+        _mm256_and_ps(_mm256_cmp_ps(var, _mm256_set1_ps(0x1p-100f), _CMP_GE_OQ),
+                      _mm256_cmp_ps(var, _mm256_set1_ps(0x1p100f), _CMP_LE_OQ)),
+        _mm256_cmp_ps(_mm256_and_ps(m8, abs_mask), _mm256_set1_ps(0x1p120f), _CMP_LE_OQ));
+    const int lanes = nc - b >= 8 ? 0xff : (1 << (nc - b)) - 1;
+    bad |= ~_mm256_movemask_ps(ok) & lanes;
+    const __m256 f8 = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_sqrt_ps(var));
+    _mm256_store_ps(fi + b, f8);
+    // lanes past nc: copies of lanes 0-3 (nc <= 4) or 0 * inf = NaN, which max_ps(NaN, emax8)
+    // drops (the second operand stays)
+    emax8 = _mm256_max_ps(_mm256_mul_ps(_mm256_and_ps(m8, abs_mask), f8), emax8);
+  }
+  const float emax = _mm256_cvtss_f32(hmax8(emax8));
+  if (bad != 0 || !(emax <= 0x1p12f)) return isolate_row_lean_exact(r, D, GC, K, sel, vals, lo, hi, sc);
   float* score = grow(sc.score, static_cast<std::size_t>(D));
   __m256 top[K];  // per lane, its K largest s' (descending); -1 = none yet
   for (auto& t : top) t = _mm256_set1_ps(-1.f);
@@ -656,7 +694,7 @@ inline bool isolate_row_lean(const float* r, int64_t D, int32_t* sel, float* val
   // it is their first operand (they return the second when either is NaN).
   const __m256 nan_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   uint64_t m[kRowMaskWords] = {};
-  bool zero_bound = false;
+  __m256 lpart[kMaxGroups], hpart[kMaxGroups];
   for (int64_t b = 0; b < nc; ++b) {
     __m256 l8 = inf8, h8 = ninf8;
     uint64_t acc = 0;  // selection bits of channels b * GC + 64 w .. + 64 (GC = 32: + 32)
@@ -675,10 +713,21 @@ inline bool isolate_row_lean(const float* r, int64_t D, int32_t* sel, float* val
       }
     }
     if constexpr (GC == 32) m[b >> 1] |= acc << (32 * (b & 1));
-    const float l = _mm256_cvtss_f32(hmin8(l8)), h = _mm256_cvtss_f32(hmax8(h8));
-    lo[b] = l;
-    hi[b] = h;
-    zero_bound |= (l == 0.f) | (h == 0.f);
+    lpart[b] = l8;
+    hpart[b] = h8;
+  }
+  bool zero_bound = false;
+  for (int64_t b = 0; b < nc; b += 8) {
+    // min / max in any order: a zero bound's sign is fixed below
+    const __m256 l = reduce8(lpart + b, nc - b, inf8, [](__m256 a, __m256 c) { return _mm256_min_ps(a, c); });
+    const __m256 h = reduce8(hpart + b, nc - b, ninf8, [](__m256 a, __m256 c) { return _mm256_max_ps(a, c); });
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nc - b)),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    _mm256_maskstore_ps(lo + b, lanes, l);
+    _mm256_maskstore_ps(hi + b, lanes, h);
+    zero_bound |= (_mm256_movemask_ps(_mm256_and_ps(
+                       _mm256_or_ps(_mm256_cmp_ps(l, zero8, _CMP_EQ_OQ), _mm256_cmp_ps(h, zero8, _CMP_EQ_OQ)),
+                       _mm256_castsi256_ps(lanes)))) != 0;
   }
   int64_t cnt = 0;
   for (int64_t w = 0; w < (D + 63) / 64; ++w) cnt += __builtin_popcountll(m[w]);
