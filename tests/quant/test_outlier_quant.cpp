@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -343,6 +344,27 @@ TEST(OutlierRow, TiesAndUlpNeighboursMatchOracle) {
 }
 
 #if KVQ_HAS_AVX2
+// float_at_most (the filters' threshold rounding) is std::nextafter's step down, bit for bit.
+TEST(OutlierRow, FloatAtMostMatchesNextafter) {
+  std::mt19937_64 rng(7);
+  std::vector<double> xs = {0.0, -0.0, 1e-320, -1e-320, 1e-46, -1e-46, 3.5e38, -3.5e38, 1e300,
+                            -1e300, 1.0, -1.0, static_cast<double>(FLT_MAX), 0x1p-149, -0x1p-149};
+  for (int i = 0; i < 20000; ++i) {
+    const double f = std::ldexp(static_cast<double>(rng() >> 11) * 0x1p-53, static_cast<int>(rng() % 260) - 130);
+    xs.push_back(i % 2 ? f : -f);
+    const auto g = static_cast<float>(xs.back());  // a float itself and its neighbourhood
+    xs.push_back(static_cast<double>(g));
+    xs.push_back(static_cast<double>(g) * (1.0 + 0x1p-40));
+  }
+  for (const double x : xs) {
+    auto ref = static_cast<float>(x);
+    if (static_cast<double>(ref) > x) ref = std::nextafter(ref, -INFINITY);
+    const float got = kvq::detail::float_at_most(x);
+    ASSERT_TRUE(same_bits(&got, &ref, 1)) << x << ": " << got << " vs " << ref;
+    ASSERT_LE(static_cast<double>(got), x);
+  }
+}
+
 // The lean row isolation of the fused quantizer (isolate_row_lean: group 32, 64 or 128, k <= 4,
 // no dense row) gives the oracle's selection, outlier values and dense ranges bit for bit, on
 // the tricky rows (ties, signed zeros as bounds, constant groups, 1 / sd float cannot hold) and
@@ -462,7 +484,7 @@ TEST(OutlierQuant, LeanFusedPathMatchesOracle) {
   for (const F& f : fmts)
     for (int64_t gc : {32, 64, 128})
       for (int k = 1; k <= 4; ++k) {
-        const kvq::Shape s{6, 2, gc == 32 ? 96 : 256};
+        const kvq::Shape s{5, 3, gc == 32 ? 96 : 256};  // 15 vectors: pairs and a single
         kvq::QuantConfig cfg = make(f.f, f.bits, kvq::Axis::kToken, gc, k);
         cfg.symmetric = f.sym;
         cfg.meta = f.meta;

@@ -27,7 +27,9 @@
 /// (isolate_row: an AVX2 path when KVQ_HAS_AVX2, the group is a multiple of 8 channels and
 /// head_dim <= 512, a portable scalar path otherwise, identical results; for k <= 4 the AVX2
 /// path selects with a float filter of proven error bounds and computes exact scores only near
-/// ties, see row_select_avx2); quant/outlier_quant.hpp fuses it with the dense quantizer.
+/// ties, see row_select_avx2); quant/outlier_quant.hpp fuses it with the dense quantizer, through
+/// isolate_rows_lean where the group is 32, 64 or 128 and k <= 4 (float statistics whose error
+/// the filter's threshold bounds, see lean_filter_threshold; the same selection and ranges).
 /// reference/outlier_ref.hpp is the scalar oracle.
 #include <algorithm>
 #include <cmath>
@@ -308,15 +310,25 @@ inline float kth_of_lists(__m256* top, int64_t k) {
   return _mm256_cvtss_f32(t8);
 }
 
+/// The largest float <= theta (theta not NaN): theta rounded to nearest, stepped one float down
+/// when that rounded up (std::nextafter towards -inf, without the library call).
+inline float float_at_most(double theta) {
+  auto th = static_cast<float>(theta);
+  if (static_cast<double>(th) > theta) {
+    uint32_t b;
+    std::memcpy(&b, &th, 4);
+    b = th > 0.f ? b - 1 : th < 0.f ? b + 1 : 0x80000001u;  // +-0 -> -denorm_min
+    std::memcpy(&th, &b, 4);
+  }
+  return th;
+}
+
 /// The float filter's threshold (row_select_avx2): theta = (T' - E)(1 - 2^-16) - E with
 /// E = 2^-23 max(emax, 1), rounded down to float so no channel at or above theta is missed.
 inline float filter_threshold(float tk, double emax) {
   const double E = 0x1p-23 * std::max(emax, 1.0);
   const double theta = (static_cast<double>(tk) - E) * (1.0 - 0x1p-16) - E;
-  auto th = static_cast<float>(theta);
-  if (static_cast<double>(th) > theta)
-    th = std::nextafter(th, -std::numeric_limits<float>::infinity());
-  return th;
+  return float_at_most(theta);
 }
 
 /// Marks in m[0..(D + 63) / 64) the channels with score >= th; returns how many. The scores
@@ -599,10 +611,7 @@ inline float lean_filter_threshold(float tk, float emax_f, int NV) {
   const double rr = 3.1 * u + 1.01 * rho;
   const double E = 1.01 * Em;
   const double theta = (static_cast<double>(tk) - E) * (1.0 - 2.01 * rr) - E;
-  auto th = static_cast<float>(theta);
-  if (static_cast<double>(th) > theta)
-    th = std::nextafter(th, -std::numeric_limits<float>::infinity());
-  return th;
+  return float_at_most(theta);
 }
 
 /// Lean AVX2 row isolation for the fused quantizer (quant/outlier_quant.hpp): the group size
@@ -615,141 +624,209 @@ inline float lean_filter_threshold(float tk, float emax_f, int NV) {
 /// they are the selection (row_select_avx2's common case) and those min / max are the dense
 /// ranges (a zero bound then takes the sign of the first non-selected zero); otherwise (near
 /// ties, a 1 / sd float cannot hold) it reruns isolate_row_avx2. False when r holds NaN or inf.
-template <int NV, int K>
-inline bool isolate_row_lean(const float* r, int64_t D, int32_t* sel, float* vals, float* lo,
-                             float* hi, OutlierScratch& sc) {
+template <int NV, int K, int R>
+inline void isolate_rows_lean(const float* const* rs, int64_t D, int32_t* sel_, float* vals_,
+                              float* lo_, float* hi_, int64_t gstride, OutlierScratch& sc, bool* ok) {
+  constexpr int nr = R;
   static_assert(K >= 1 && K <= 4, "isolate_row_lean: 1 <= K <= 4");
   static_assert(NV == 4 || NV % 8 == 0, "isolate_row_lean: group of 32 or a multiple of 64");
   constexpr int64_t GC = 8 * NV;
   const int64_t nc = D / GC;
   // Float statistics (see lean_filter_threshold): per group two lanes of partial sums, the
   // groups' 8-lane vectors reduced 8 groups at a time (reduce8); a group outside the proven
-  // range takes the exact path.
+  // range takes the exact path. Every phase runs for each of the nr rows before the next, so
+  // the rows' latency chains (reductions, square roots, the threshold) overlap.
   constexpr int kMaxGroups = 64 * kRowMaskWords / 32;
-  alignas(32) float fm[kMaxGroups], fi[kMaxGroups];
-  __m256 part[kMaxGroups];
+  alignas(32) float fm[R][kMaxGroups], fi[R][kMaxGroups];
+  __m256 part[R][kMaxGroups];
+  bool exact[R];
+  float emax[R];
   const __m256 inv_gc = _mm256_set1_ps(1.f / static_cast<float>(GC));
   const __m256 zero8 = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nc; ++b) {
-    const float* x = r + b * GC;
-    __m256 a0 = _mm256_loadu_ps(x), a1 = _mm256_loadu_ps(x + 8);
-    for (int j = 2; j < NV; j += 2) {
-      a0 = _mm256_add_ps(a0, _mm256_loadu_ps(x + 8 * j));
-      a1 = _mm256_add_ps(a1, _mm256_loadu_ps(x + 8 * j + 8));
+  auto add = [](__m256 a, __m256 c) __attribute__((always_inline)) { return _mm256_add_ps(a, c); };
+  for (int i = 0; i < nr; ++i) {
+    for (int64_t b = 0; b < nc; ++b) {
+      const float* x = rs[i] + b * GC;
+      __m256 a0 = _mm256_loadu_ps(x), a1 = _mm256_loadu_ps(x + 8);
+      for (int j = 2; j < NV; j += 2) {
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(x + 8 * j));
+        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(x + 8 * j + 8));
+      }
+      part[i][b] = _mm256_add_ps(a0, a1);
     }
-    part[b] = _mm256_add_ps(a0, a1);
+    for (int64_t b = 0; b < nc; b += 8)
+      _mm256_store_ps(fm[i] + b, _mm256_mul_ps(reduce8(part[i] + b, nc - b, zero8, add), inv_gc));
   }
-  for (int64_t b = 0; b < nc; b += 8)
-    _mm256_store_ps(fm + b, _mm256_mul_ps(reduce8(part + b, nc - b, zero8, [](__m256 a, __m256 c) { return _mm256_add_ps(a, c); }), inv_gc));
-  for (int64_t b = 0; b < nc; ++b) {
-    const float* x = r + b * GC;
-    const __m256 mv = _mm256_set1_ps(fm[b]);
-    __m256 q0 = zero8, q1 = zero8;
-    for (int j = 0; j < NV; j += 2) {
-      const __m256 d0 = _mm256_sub_ps(_mm256_loadu_ps(x + 8 * j), mv);
-      const __m256 d1 = _mm256_sub_ps(_mm256_loadu_ps(x + 8 * j + 8), mv);
-      q0 = _mm256_fmadd_ps(d0, d0, q0);
-      q1 = _mm256_fmadd_ps(d1, d1, q1);
+  for (int i = 0; i < nr; ++i)
+    for (int64_t b = 0; b < nc; ++b) {
+      const float* x = rs[i] + b * GC;
+      const __m256 mv = _mm256_set1_ps(fm[i][b]);
+      __m256 q0 = zero8, q1 = zero8;
+      for (int j = 0; j < NV; j += 2) {
+        const __m256 d0 = _mm256_sub_ps(_mm256_loadu_ps(x + 8 * j), mv);
+        const __m256 d1 = _mm256_sub_ps(_mm256_loadu_ps(x + 8 * j + 8), mv);
+        q0 = _mm256_fmadd_ps(d0, d0, q0);
+        q1 = _mm256_fmadd_ps(d1, d1, q1);
+      }
+      part[i][b] = _mm256_add_ps(q0, q1);
     }
-    part[b] = _mm256_add_ps(q0, q1);
-  }
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 emax8 = zero8;
-  int bad = 0;
-  for (int64_t b = 0; b < nc; b += 8) {
-    const __m256 var = _mm256_mul_ps(reduce8(part + b, nc - b, zero8, [](__m256 a, __m256 c) { return _mm256_add_ps(a, c); }), inv_gc);
-    const __m256 m8 = _mm256_load_ps(fm + b);
-    const __m256 ok = _mm256_and_ps(
-        _mm256_and_ps(_mm256_cmp_ps(var, _mm256_set1_ps(0x1p-100f), _CMP_GE_OQ),
-                      _mm256_cmp_ps(var, _mm256_set1_ps(0x1p100f), _CMP_LE_OQ)),
-        _mm256_cmp_ps(_mm256_and_ps(m8, abs_mask), _mm256_set1_ps(0x1p120f), _CMP_LE_OQ));
-    const int lanes = nc - b >= 8 ? 0xff : (1 << (nc - b)) - 1;
-    bad |= ~_mm256_movemask_ps(ok) & lanes;
-    const __m256 f8 = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_sqrt_ps(var));
-    _mm256_store_ps(fi + b, f8);
-    // lanes past nc: copies of lanes 0-3 (nc <= 4) or 0 * inf = NaN, which max_ps(NaN, emax8)
-    // drops (the second operand stays)
-    emax8 = _mm256_max_ps(_mm256_mul_ps(_mm256_and_ps(m8, abs_mask), f8), emax8);
-  }
-  const float emax = _mm256_cvtss_f32(hmax8(emax8));
-  if (bad != 0 || !(emax <= 0x1p12f)) return isolate_row_lean_exact(r, D, GC, K, sel, vals, lo, hi, sc);
-  float* score = grow(sc.score, static_cast<std::size_t>(D));
-  __m256 top[K];  // per lane, its K largest s' (descending); -1 = none yet
-  for (auto& t : top) t = _mm256_set1_ps(-1.f);
-  const __m256 sign_f = _mm256_set1_ps(-0.f);
-  for (int64_t b = 0; b < nc; ++b) {
-    const __m256 mf = _mm256_set1_ps(fm[b]), fiv = _mm256_set1_ps(fi[b]);
-    for (int j = 0; j < NV; ++j) {
-      const int64_t d = b * GC + 8 * j;
-      const __m256 a = _mm256_sub_ps(_mm256_loadu_ps(r + d), mf);
-      const __m256 s8 = _mm256_mul_ps(_mm256_andnot_ps(sign_f, a), fiv);
-      _mm256_storeu_ps(score + d, s8);
-      top_k_insert<K>(top, s8);
+  for (int i = 0; i < nr; ++i) {
+    __m256 emax8 = zero8;
+    int bad = 0;
+    for (int64_t b = 0; b < nc; b += 8) {
+      const __m256 var = _mm256_mul_ps(reduce8(part[i] + b, nc - b, zero8, add), inv_gc);
+      const __m256 m8 = _mm256_load_ps(fm[i] + b);
+      const __m256 in = _mm256_and_ps(
+          _mm256_and_ps(_mm256_cmp_ps(var, _mm256_set1_ps(0x1p-100f), _CMP_GE_OQ),
+                        _mm256_cmp_ps(var, _mm256_set1_ps(0x1p100f), _CMP_LE_OQ)),
+          _mm256_cmp_ps(_mm256_and_ps(m8, abs_mask), _mm256_set1_ps(0x1p120f), _CMP_LE_OQ));
+      const int lanes = nc - b >= 8 ? 0xff : (1 << (nc - b)) - 1;
+      bad |= ~_mm256_movemask_ps(in) & lanes;
+      const __m256 f8 = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_sqrt_ps(var));
+      _mm256_store_ps(fi[i] + b, f8);
+      // lanes past nc: copies of lanes 0-3 (nc <= 4) or 0 * inf = NaN, which
+      // max_ps(NaN, emax8) drops (the second operand stays)
+      emax8 = _mm256_max_ps(_mm256_mul_ps(_mm256_and_ps(m8, abs_mask), f8), emax8);
     }
+    emax[i] = _mm256_cvtss_f32(hmax8(emax8));
+    exact[i] = bad != 0 || !(emax[i] <= 0x1p12f);
   }
-  const __m256 th8 = _mm256_set1_ps(lean_filter_threshold(kth_of_lists<K>(top, K), emax, NV));
+  float* score_ = grow(sc.score, static_cast<std::size_t>(R * D));
+  const __m256 sign_f = _mm256_set1_ps(-0.f);
+  __m256 th8[R];
+  for (int i = 0; i < nr; ++i) {
+    const float* r = rs[i];
+    float* score = score_ + i * D;
+    __m256 top[K];  // per lane, its K largest s' (descending); -1 = none yet
+    for (auto& t : top) t = _mm256_set1_ps(-1.f);
+    for (int64_t b = 0; b < nc; ++b) {
+      const __m256 mf = _mm256_set1_ps(fm[i][b]), fiv = _mm256_set1_ps(fi[i][b]);
+      for (int j = 0; j < NV; ++j) {
+        const int64_t d = b * GC + 8 * j;
+        const __m256 a = _mm256_sub_ps(_mm256_loadu_ps(r + d), mf);
+        const __m256 s8 = _mm256_mul_ps(_mm256_andnot_ps(sign_f, a), fiv);
+        _mm256_storeu_ps(score + d, s8);
+        top_k_insert<K>(top, s8);
+      }
+    }
+    th8[i] = _mm256_set1_ps(lean_filter_threshold(kth_of_lists<K>(top, K), emax[i], NV));
+  }
   const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256 ninf8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   // A marked lane becomes a NaN (every bit but the sign set), which vminps / vmaxps skip when
   // it is their first operand (they return the second when either is NaN).
   const __m256 nan_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  uint64_t m[kRowMaskWords] = {};
-  __m256 lpart[kMaxGroups], hpart[kMaxGroups];
-  for (int64_t b = 0; b < nc; ++b) {
-    __m256 l8 = inf8, h8 = ninf8;
-    uint64_t acc = 0;  // selection bits of channels b * GC + 64 w .. + 64 (GC = 32: + 32)
-    for (int j = 0; j < NV; ++j) {
-      const int64_t d = b * GC + 8 * j;
-      const __m256 mk = _mm256_cmp_ps(_mm256_loadu_ps(score + d), th8, _CMP_GE_OQ);
-      acc |= static_cast<uint64_t>(static_cast<unsigned>(_mm256_movemask_ps(mk))) << (8 * (j % 8));
-      const __m256 v = _mm256_or_ps(_mm256_loadu_ps(r + d), _mm256_and_ps(mk, nan_bits));
-      l8 = _mm256_min_ps(v, l8);
-      h8 = _mm256_max_ps(v, h8);
-      if constexpr (GC >= 64) {
-        if (j % 8 == 7) {
-          m[(b * GC) / 64 + j / 8] = acc;
-          acc = 0;
+  uint64_t m[R][kRowMaskWords] = {};
+  for (int i = 0; i < nr; ++i) {
+    const float* r = rs[i];
+    const float* score = score_ + i * D;
+    float* lo = lo_ + i * gstride;
+    float* hi = hi_ + i * gstride;
+    __m256 lpart[kMaxGroups], hpart[kMaxGroups];
+    for (int64_t b = 0; b < nc; ++b) {
+      __m256 l8 = inf8, h8 = ninf8;
+      uint64_t acc = 0;  // selection bits of channels b * GC + 64 w .. + 64 (GC = 32: + 32)
+      for (int j = 0; j < NV; ++j) {
+        const int64_t d = b * GC + 8 * j;
+        const __m256 mk = _mm256_cmp_ps(_mm256_loadu_ps(score + d), th8[i], _CMP_GE_OQ);
+        acc |= static_cast<uint64_t>(static_cast<unsigned>(_mm256_movemask_ps(mk))) << (8 * (j % 8));
+        const __m256 v = _mm256_or_ps(_mm256_loadu_ps(r + d), _mm256_and_ps(mk, nan_bits));
+        l8 = _mm256_min_ps(v, l8);
+        h8 = _mm256_max_ps(v, h8);
+        if constexpr (GC >= 64) {
+          if (j % 8 == 7) {
+            m[i][(b * GC) / 64 + j / 8] = acc;
+            acc = 0;
+          }
         }
       }
+      if constexpr (GC == 32) m[i][b >> 1] |= acc << (32 * (b & 1));
+      lpart[b] = l8;
+      hpart[b] = h8;
     }
-    if constexpr (GC == 32) m[b >> 1] |= acc << (32 * (b & 1));
-    lpart[b] = l8;
-    hpart[b] = h8;
+    bool zero_bound = false;
+    for (int64_t b = 0; b < nc; b += 8) {
+      // min / max in any order: a zero bound's sign is fixed below
+      const __m256 l = reduce8(lpart + b, nc - b, inf8, [](__m256 a, __m256 c) { return _mm256_min_ps(a, c); });
+      const __m256 h = reduce8(hpart + b, nc - b, ninf8, [](__m256 a, __m256 c) { return _mm256_max_ps(a, c); });
+      const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nc - b)),
+                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      _mm256_maskstore_ps(lo + b, lanes, l);
+      _mm256_maskstore_ps(hi + b, lanes, h);
+      zero_bound |= (_mm256_movemask_ps(_mm256_and_ps(
+                         _mm256_or_ps(_mm256_cmp_ps(l, zero8, _CMP_EQ_OQ), _mm256_cmp_ps(h, zero8, _CMP_EQ_OQ)),
+                         _mm256_castsi256_ps(lanes)))) != 0;
+    }
+    int64_t cnt = 0;
+    for (int64_t w = 0; w < (D + 63) / 64; ++w) cnt += __builtin_popcountll(m[i][w]);
+    int32_t* sel = sel_ + i * K;
+    float* vals = vals_ + i * K;
+    if (exact[i] || cnt != K) {
+      ok[i] = isolate_row_lean_exact(r, D, GC, K, sel, vals, lo, hi, sc);
+      continue;
+    }
+    for (int64_t b = 0; zero_bound && b < nc; ++b) {
+      // A zero bound takes the sign of the first zero in channel order (what std::min/max keep).
+      if (lo[b] == 0.f)
+        for (int64_t e = b * GC; e < (b + 1) * GC; ++e)
+          if (!marked(m[i], e) && r[e] == 0.f) {
+            lo[b] = r[e];
+            break;
+          }
+      if (hi[b] == 0.f)
+        for (int64_t e = b * GC; e < (b + 1) * GC; ++e)
+          if (!marked(m[i], e) && r[e] == 0.f) {
+            hi[b] = r[e];
+            break;
+          }
+    }
+    marked_channels(m[i], D, K, sel);
+    for (int j = 0; j < K; ++j) vals[j] = r[sel[j]];
+    ok[i] = true;
   }
-  bool zero_bound = false;
-  for (int64_t b = 0; b < nc; b += 8) {
-    // min / max in any order: a zero bound's sign is fixed below
-    const __m256 l = reduce8(lpart + b, nc - b, inf8, [](__m256 a, __m256 c) { return _mm256_min_ps(a, c); });
-    const __m256 h = reduce8(hpart + b, nc - b, ninf8, [](__m256 a, __m256 c) { return _mm256_max_ps(a, c); });
-    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nc - b)),
-                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    _mm256_maskstore_ps(lo + b, lanes, l);
-    _mm256_maskstore_ps(hi + b, lanes, h);
-    zero_bound |= (_mm256_movemask_ps(_mm256_and_ps(
-                       _mm256_or_ps(_mm256_cmp_ps(l, zero8, _CMP_EQ_OQ), _mm256_cmp_ps(h, zero8, _CMP_EQ_OQ)),
-                       _mm256_castsi256_ps(lanes)))) != 0;
+}
+
+/// One row of isolate_rows_lean: false when r holds NaN or inf.
+template <int NV, int K>
+inline bool isolate_row_lean(const float* r, int64_t D, int32_t* sel, float* vals, float* lo,
+                             float* hi, OutlierScratch& sc) {
+  bool ok = false;
+  isolate_rows_lean<NV, K, 1>(&r, D, sel, vals, lo, hi, 0, sc, &ok);
+  return ok;
+}
+
+/// isolate_rows_lean for nr = 1 or 2 rows (row i's outputs at sel + i k, vals + i k, lo + i
+/// gstride, hi + i gstride) for a group size and k known at run time (D % gc == 0): false
+/// (nothing done) when (gc, k) has no lean instantiation (gc 32, 64 or 128; k 1..4; D <=
+/// 64 * kRowMaskWords), else true with ok[i] = false where row i holds NaN or inf.
+inline bool isolate_rows_lean_rt(int nr, const float* const* rs, int64_t D, int64_t gc, int64_t k,
+                                 int32_t* sel, float* vals, float* lo, float* hi, int64_t gstride,
+                                 OutlierScratch& sc, bool* ok) {
+#define KVQ_LEAN_K(NV)                                                                          \
+  switch (k) {                                                                                  \
+    case 1: return run(std::integral_constant<int, NV>{}, std::integral_constant<int, 1>{});    \
+    case 2: return run(std::integral_constant<int, NV>{}, std::integral_constant<int, 2>{});    \
+    case 3: return run(std::integral_constant<int, NV>{}, std::integral_constant<int, 3>{});    \
+    case 4: return run(std::integral_constant<int, NV>{}, std::integral_constant<int, 4>{});    \
+    default: return false;                                                                      \
   }
-  int64_t cnt = 0;
-  for (int64_t w = 0; w < (D + 63) / 64; ++w) cnt += __builtin_popcountll(m[w]);
-  if (cnt != K) return isolate_row_lean_exact(r, D, GC, K, sel, vals, lo, hi, sc);
-  for (int64_t b = 0; zero_bound && b < nc; ++b) {
-    // A zero bound takes the sign of the first zero in channel order (what std::min/max keep).
-    if (lo[b] == 0.f)
-      for (int64_t e = b * GC; e < (b + 1) * GC; ++e)
-        if (!marked(m, e) && r[e] == 0.f) {
-          lo[b] = r[e];
-          break;
-        }
-    if (hi[b] == 0.f)
-      for (int64_t e = b * GC; e < (b + 1) * GC; ++e)
-        if (!marked(m, e) && r[e] == 0.f) {
-          hi[b] = r[e];
-          break;
-        }
+  auto run = [&](auto nv, auto kk) {
+    constexpr int NV_ = decltype(nv)::value, K_ = decltype(kk)::value;
+    if (nr == 2)
+      isolate_rows_lean<NV_, K_, 2>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
+    else
+      isolate_rows_lean<NV_, K_, 1>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
+    return true;
+  };
+  if (D > 64 * kRowMaskWords || nr < 1 || nr > 2) return false;
+  switch (gc) {
+    case 32: KVQ_LEAN_K(4)
+    case 64: KVQ_LEAN_K(8)
+    case 128: KVQ_LEAN_K(16)
+    default: return false;
   }
-  marked_channels(m, D, K, sel);
-  for (int j = 0; j < K; ++j) vals[j] = r[sel[j]];
-  return true;
+#undef KVQ_LEAN_K
 }
 
 /// isolate_row_lean for a group size and k known at run time (D % gc == 0): false (nothing

@@ -20,7 +20,11 @@
 /// Speed. Token-axis groups lie inside one vector, so the token axis runs one fused pass per
 /// vector (quantize_outlier_rows): load, statistics, top-k, dense range, encode and pack while
 /// the row is in L1 (AVX2: geometry/outliers.hpp's isolate_row_avx2, 8-lane int encode with
-/// the codes packed 8 at a time; portable scalar otherwise). Token-spanning axes (channel, head,
+/// the codes packed 8 at a time; portable scalar otherwise). Its lean path (int and nuq, group
+/// 32, 64 or 128, k <= 4: the common KVQuant settings) isolates two vectors at a time with
+/// isolate_rows_lean (float statistics with a proven error bound, no dense row written) and
+/// encodes straight from the input, every entry clamped to its group's dense range in code
+/// space (lean_codes), which is what encoding the dense row gives, bit for bit. Token-spanning axes (channel, head,
 /// tensor with a token group) are isolated and quantized one slab of whole token blocks at a
 /// time (about 128 KiB of input), so the dense quantizer reads the slab from cache. Both give
 /// the bytes of the whole-tensor path; on any error they rerun it, so errors (which element,
@@ -239,14 +243,13 @@ inline void lean_codes(const Codec& codec, int bits, int64_t gc, const float* r,
   }
 }
 
-/// memcpy of n bytes with the common sizes fixed (no library call).
+/// memcpy of n <= 32 bytes with the common sizes up to 16 fixed (no library call).
 inline void copy_small(uint8_t* dst, const void* src, std::size_t n) {
   switch (n) {
     case 2: std::memcpy(dst, src, 2); return;
     case 4: std::memcpy(dst, src, 4); return;
     case 8: std::memcpy(dst, src, 8); return;
     case 16: std::memcpy(dst, src, 16); return;
-    case 32: std::memcpy(dst, src, 32); return;
     default: std::memcpy(dst, src, n); return;
   }
 }
@@ -308,24 +311,31 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
   int64_t t_next = 0, h_next = 0;
   for (int64_t v0 = 0; v0 < V; v0 += R) {
     const int nr = static_cast<int>(std::min<int64_t>(R, V - v0));
+    int64_t ts[R], hs[R];
+    bool ok[R] = {};
     for (int i = 0; i < nr; ++i) {
-      const int64_t t = t_next, h = h_next, v = v0 + i;
+      const int64_t t = t_next, h = h_next;
+      ts[i] = t;
+      hs[i] = h;
       if (++h_next == H) h_next = 0, ++t_next;
       if (x.dim_contiguous()) kernels::prefetch_ahead(x.row(t, h), row_bytes);
-      const float* r = load_row(x, t, h, buf + i * uD);
-      int32_t* sl = sel + i * k;
-      float* vl = vals + i * k;
-      rows[i] = r;
-      bool ok = false;
+      rows[i] = load_row(x, t, h, buf + i * uD);
+    }
+    bool done = false;
 #if KVQ_HAS_AVX2
-      if (!lean || !isolate_row_lean_rt(r, D, gc, k, sl, vl, lo + i * unp, hi + i * unp,
-                                        ws.outlier, &ok))
+    if (lean)
+      done = isolate_rows_lean_rt(nr, rows, D, gc, k, sel, vals, lo, hi, unp, ws.outlier, ok);
 #endif
-        ok = isolate_row(r, D, gc, k, dense + i * uD, sl, vl, lo + i * unp, hi + i * unp,
-                         ws.outlier);
-      if (!ok) throw_non_finite_row(x, t, h, "quantize");
+    if (!done)
+      for (int i = 0; i < nr; ++i)
+        ok[i] = isolate_row(rows[i], D, gc, k, dense + i * uD, sel + i * k, vals + i * k,
+                            lo + i * unp, hi + i * unp, ws.outlier);
+    for (int i = 0; i < nr; ++i) {
+      if (!ok[i]) throw_non_finite_row(x, ts[i], hs[i], "quantize");
+      const int32_t* sl = sel + i * k;
+      const float* vl = vals + i * k;
       for (int64_t j = 0; j < k; ++j)
-        if (!(std::fabs(vl[j]) < 65520.f)) throw_outlier_range(vl[j], sl[j], v, H);
+        if (!(std::fabs(vl[j]) < 65520.f)) throw_outlier_range(vl[j], sl[j], v0 + i, H);
     }
     for (int i = 0; i < nr; ++i) {  // group parameters, metadata
       const int64_t v = v0 + i;
