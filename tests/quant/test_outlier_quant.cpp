@@ -343,6 +343,14 @@ TEST(OutlierRow, TiesAndUlpNeighboursMatchOracle) {
   EXPECT_EQ(cases, 1500);
 }
 
+// A dense format of the fused-path tests: format, bits, symmetric, metadata type.
+struct DenseFmt {
+  kvq::Format f;
+  int bits;
+  bool sym;
+  kvq::MetaDType meta;
+};
+
 #if KVQ_HAS_AVX2
 // float_at_most (the filters' threshold rounding) is std::nextafter's step down, bit for bit.
 TEST(OutlierRow, FloatAtMostMatchesNextafter) {
@@ -465,13 +473,7 @@ TEST(OutlierRow, LeanIsolationMatchesOracle) {
 // against the oracle: int 2/3/4/8 bits symmetric and not, nuq 2/3/4, fp16 and f32 metadata,
 // groups 32/64/128, k 1..4, continuous data with planted outliers and coarse data with ties.
 TEST(OutlierQuant, LeanFusedPathMatchesOracle) {
-  struct F {
-    kvq::Format f;
-    int bits;
-    bool sym;
-    kvq::MetaDType meta;
-  };
-  const F fmts[] = {{kvq::Format::kInt, 2, false, kvq::MetaDType::kF16},
+  const DenseFmt fmts[] = {{kvq::Format::kInt, 2, false, kvq::MetaDType::kF16},
                     {kvq::Format::kInt, 3, false, kvq::MetaDType::kF16},
                     {kvq::Format::kInt, 3, true, kvq::MetaDType::kF16},
                     {kvq::Format::kInt, 4, false, kvq::MetaDType::kF32},
@@ -481,7 +483,7 @@ TEST(OutlierQuant, LeanFusedPathMatchesOracle) {
                     {kvq::Format::kNuq, 3, false, kvq::MetaDType::kF32},
                     {kvq::Format::kNuq, 4, false, kvq::MetaDType::kF16}};
   int cases = 0;
-  for (const F& f : fmts)
+  for (const DenseFmt& f : fmts)
     for (int64_t gc : {32, 64, 128})
       for (int k = 1; k <= 4; ++k) {
         const kvq::Shape s{5, 3, gc == 32 ? 96 : 256};  // 15 vectors: pairs and a single
@@ -563,13 +565,7 @@ TEST(OutlierChannel, MatchesOracleBitForBit) {
 // metadata, f32/f16/strided input) and the slab path of token-spanning axes give the oracle's
 // bytes.
 TEST(OutlierQuant, FusedAndSlabPathsMatchOracle) {
-  struct F {
-    kvq::Format f;
-    int bits;
-    bool sym;
-    kvq::MetaDType meta;
-  };
-  const F fmts[] = {{kvq::Format::kInt, 2, false, kvq::MetaDType::kF16},
+  const DenseFmt fmts[] = {{kvq::Format::kInt, 2, false, kvq::MetaDType::kF16},
                     {kvq::Format::kInt, 3, false, kvq::MetaDType::kF16},
                     {kvq::Format::kInt, 4, true, kvq::MetaDType::kF16},
                     {kvq::Format::kInt, 8, false, kvq::MetaDType::kF32},
@@ -595,7 +591,7 @@ TEST(OutlierQuant, FusedAndSlabPathsMatchOracle) {
                     {kvq::Axis::kChannel, 4, {16, 1, 16}, 0.f, 16},   // every entry
                     {kvq::Axis::kHead, 16, {512, 4, 32}, 0.f, 2},
                     {kvq::Axis::kChannel, 1, {8200, 1, 5}, 0.f, 1}};  // slab alignment search
-  for (const F& f : fmts)
+  for (const DenseFmt& f : fmts)
     for (const G& g : geos) {
       kvq::QuantConfig cfg = make(f.f, f.bits, g.axis, g.group, g.out, g.pct);
       cfg.symmetric = f.sym;

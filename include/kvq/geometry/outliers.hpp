@@ -37,6 +37,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "kvq/config.hpp"
@@ -796,60 +797,54 @@ inline bool isolate_row_lean(const float* r, int64_t D, int32_t* sel, float* val
   return ok;
 }
 
+/// Calls f(std::integral_constant<int, NV>, std::integral_constant<int, K>) for the lean
+/// instantiation of (gc, k) (gc 32, 64 or 128; k 1..4; D <= 64 * kRowMaskWords) and returns
+/// true, or returns false (f not called) when there is none.
+template <class F>
+inline bool with_lean_instance(int64_t D, int64_t gc, int64_t k, F&& f) {
+  if (D > 64 * kRowMaskWords || k < 1 || k > 4) return false;
+  auto by_k = [&](auto nv) {
+    switch (k) {
+      case 1: f(nv, std::integral_constant<int, 1>{}); break;
+      case 2: f(nv, std::integral_constant<int, 2>{}); break;
+      case 3: f(nv, std::integral_constant<int, 3>{}); break;
+      default: f(nv, std::integral_constant<int, 4>{}); break;
+    }
+    return true;
+  };
+  switch (gc) {
+    case 32: return by_k(std::integral_constant<int, 4>{});
+    case 64: return by_k(std::integral_constant<int, 8>{});
+    case 128: return by_k(std::integral_constant<int, 16>{});
+    default: return false;
+  }
+}
+
 /// isolate_rows_lean for nr = 1 or 2 rows (row i's outputs at sel + i k, vals + i k, lo + i
-/// gstride, hi + i gstride) for a group size and k known at run time (D % gc == 0): false
-/// (nothing done) when (gc, k) has no lean instantiation (gc 32, 64 or 128; k 1..4; D <=
-/// 64 * kRowMaskWords), else true with ok[i] = false where row i holds NaN or inf.
+/// gstride, hi + i gstride) and a group size and k known at run time (D % gc == 0): false
+/// (nothing done) when with_lean_instance has none, else true with ok[i] = false where row i
+/// holds NaN or inf.
 inline bool isolate_rows_lean_rt(int nr, const float* const* rs, int64_t D, int64_t gc, int64_t k,
                                  int32_t* sel, float* vals, float* lo, float* hi, int64_t gstride,
                                  OutlierScratch& sc, bool* ok) {
-#define KVQ_LEAN_K(NV)                                                                          \
-  switch (k) {                                                                                  \
-    case 1: return run(std::integral_constant<int, NV>{}, std::integral_constant<int, 1>{});    \
-    case 2: return run(std::integral_constant<int, NV>{}, std::integral_constant<int, 2>{});    \
-    case 3: return run(std::integral_constant<int, NV>{}, std::integral_constant<int, 3>{});    \
-    case 4: return run(std::integral_constant<int, NV>{}, std::integral_constant<int, 4>{});    \
-    default: return false;                                                                      \
-  }
-  auto run = [&](auto nv, auto kk) {
-    constexpr int NV_ = decltype(nv)::value, K_ = decltype(kk)::value;
+  if (nr < 1 || nr > 2) return false;
+  return with_lean_instance(D, gc, k, [&](auto nv, auto kk) {
+    constexpr int NV = decltype(nv)::value, K = decltype(kk)::value;
     if (nr == 2)
-      isolate_rows_lean<NV_, K_, 2>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
+      isolate_rows_lean<NV, K, 2>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
     else
-      isolate_rows_lean<NV_, K_, 1>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
-    return true;
-  };
-  if (D > 64 * kRowMaskWords || nr < 1 || nr > 2) return false;
-  switch (gc) {
-    case 32: KVQ_LEAN_K(4)
-    case 64: KVQ_LEAN_K(8)
-    case 128: KVQ_LEAN_K(16)
-    default: return false;
-  }
-#undef KVQ_LEAN_K
+      isolate_rows_lean<NV, K, 1>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
+  });
 }
 
 /// isolate_row_lean for a group size and k known at run time (D % gc == 0): false (nothing
-/// done, *ok untouched) when (gc, k) has no lean instantiation (gc 32, 64 or 128; k 1..4; D <=
-/// 64 * kRowMaskWords), else true with *ok = isolate_row_lean's result.
+/// done, *ok untouched) when with_lean_instance has none, else true with *ok =
+/// isolate_row_lean's result.
 inline bool isolate_row_lean_rt(const float* r, int64_t D, int64_t gc, int64_t k, int32_t* sel,
                                 float* vals, float* lo, float* hi, OutlierScratch& sc, bool* ok) {
-#define KVQ_LEAN_K(NV)                                                              \
-  switch (k) {                                                                      \
-    case 1: *ok = isolate_row_lean<NV, 1>(r, D, sel, vals, lo, hi, sc); return true; \
-    case 2: *ok = isolate_row_lean<NV, 2>(r, D, sel, vals, lo, hi, sc); return true; \
-    case 3: *ok = isolate_row_lean<NV, 3>(r, D, sel, vals, lo, hi, sc); return true; \
-    case 4: *ok = isolate_row_lean<NV, 4>(r, D, sel, vals, lo, hi, sc); return true; \
-    default: return false;                                                          \
-  }
-  if (D > 64 * kRowMaskWords) return false;
-  switch (gc) {
-    case 32: KVQ_LEAN_K(4)
-    case 64: KVQ_LEAN_K(8)
-    case 128: KVQ_LEAN_K(16)
-    default: return false;
-  }
-#undef KVQ_LEAN_K
+  return with_lean_instance(D, gc, k, [&](auto nv, auto kk) {
+    *ok = isolate_row_lean<decltype(nv)::value, decltype(kk)::value>(r, D, sel, vals, lo, hi, sc);
+  });
 }
 
 /// AVX2 isolate_outliers for the channel axis (boxes of G tokens of one channel), K = k <= 4,
