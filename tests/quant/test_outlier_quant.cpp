@@ -292,7 +292,7 @@ TEST(OutlierRow, PathsMatchOracleBitForBit) {
 // score's rounding error exceeds the extreme's own ulp). 1500 rows against the oracle.
 // Rows of TiesAndUlpNeighboursMatchOracle (seed picks the mode); modes 5 to 7 put a mean of
 // a few hundred to a few thousand standard deviations under near-tied extremes, where the float
-// statistics of isolate_row_lean are off by more than the extremes' gaps (mode 7: the groups'
+// statistics of isolate_rows_lean are off by more than the extremes' gaps (mode 7: the groups'
 // extremes a few ulps apart, so its error bound E decides; without it the filter picks wrong).
 std::vector<float> ulp_row(uint32_t seed, int64_t D) {
   std::mt19937 rng(seed);
@@ -373,7 +373,13 @@ TEST(OutlierRow, FloatAtMostMatchesNextafter) {
   }
 }
 
-// The lean row isolation of the fused quantizer (isolate_row_lean: group 32, 64 or 128, k <= 4,
+// One row through the fused quantizer's lean entry point (isolate_rows_lean_rt, nr = 1).
+bool lean_row(const float* r, int64_t D, int64_t gc, int64_t k, int32_t* sel, float* vals,
+              float* lo, float* hi, kvq::OutlierScratch& sc, bool* ok) {
+  return kvq::detail::isolate_rows_lean_rt(1, &r, D, gc, k, sel, vals, lo, hi, 0, sc, ok);
+}
+
+// The lean row isolation of the fused quantizer (isolate_rows_lean: group 32, 64 or 128, k <= 4,
 // no dense row) gives the oracle's selection, outlier values and dense ranges bit for bit, on
 // the tricky rows (ties, signed zeros as bounds, constant groups, 1 / sd float cannot hold) and
 // on continuous rows (its common case, no exact score computed).
@@ -405,8 +411,7 @@ TEST(OutlierRow, LeanIsolationMatchesOracle) {
           std::vector<int32_t> sel(static_cast<std::size_t>(k));
           kvq::OutlierScratch sc;
           bool ok = false;
-          ASSERT_TRUE(kvq::detail::isolate_row_lean_rt(r.data(), D, gc, k, sel.data(), vals.data(),
-                                                       lo.data(), hi.data(), sc, &ok));
+          ASSERT_TRUE(lean_row(r.data(), D, gc, k, sel.data(), vals.data(), lo.data(), hi.data(), sc, &ok));
           ASSERT_TRUE(ok);
           SCOPED_TRACE(::testing::Message() << "D=" << D << " gc=" << gc << " k=" << k
                                             << " seed=" << seed);
@@ -439,8 +444,7 @@ TEST(OutlierRow, LeanIsolationMatchesOracle) {
     std::vector<int32_t> sel(static_cast<std::size_t>(k));
     kvq::OutlierScratch sc;
     bool ok = false;
-    ASSERT_TRUE(kvq::detail::isolate_row_lean_rt(r.data(), D, gc, k, sel.data(), vals.data(),
-                                                 lo.data(), hi.data(), sc, &ok));
+    ASSERT_TRUE(lean_row(r.data(), D, gc, k, sel.data(), vals.data(), lo.data(), hi.data(), sc, &ok));
     ASSERT_TRUE(ok);
     SCOPED_TRACE(::testing::Message() << "ulp row seed=" << seed << " D=" << D << " gc=" << gc);
     ASSERT_EQ(sel, ref.sel);
@@ -459,13 +463,10 @@ TEST(OutlierRow, LeanIsolationMatchesOracle) {
   std::vector<int32_t> sel(5);
   kvq::OutlierScratch sc;
   bool ok = true;
-  EXPECT_FALSE(kvq::detail::isolate_row_lean_rt(row.data(), 128, 16, 2, sel.data(), v.data(),
-                                                lo.data(), hi.data(), sc, &ok));
-  EXPECT_FALSE(kvq::detail::isolate_row_lean_rt(row.data(), 128, 32, 5, sel.data(), v.data(),
-                                                lo.data(), hi.data(), sc, &ok));
+  EXPECT_FALSE(lean_row(row.data(), 128, 16, 2, sel.data(), v.data(), lo.data(), hi.data(), sc, &ok));
+  EXPECT_FALSE(lean_row(row.data(), 128, 32, 5, sel.data(), v.data(), lo.data(), hi.data(), sc, &ok));
   row[77] = NAN;
-  EXPECT_TRUE(kvq::detail::isolate_row_lean_rt(row.data(), 128, 32, 2, sel.data(), v.data(),
-                                               lo.data(), hi.data(), sc, &ok));
+  EXPECT_TRUE(lean_row(row.data(), 128, 32, 2, sel.data(), v.data(), lo.data(), hi.data(), sc, &ok));
   EXPECT_FALSE(ok);
 }
 

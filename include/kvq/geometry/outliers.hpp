@@ -56,7 +56,7 @@ struct OutlierScratch {
   std::vector<float> score;       // [head_dim]
   std::vector<int32_t> idx;       // [head_dim]
   std::vector<uint8_t> mark;      // [head_dim]
-  std::vector<float> dense;       // [head_dim] (isolate_row_lean's rare exact path)
+  std::vector<float> dense;       // [head_dim] (isolate_rows_lean's rare exact path)
 };
 
 namespace detail {
@@ -553,20 +553,13 @@ inline bool isolate_row_avx2(const float* r, int64_t D, int64_t gc, int64_t k, f
   return true;
 }
 
-/// isolate_row_lean's exact path (isolate_row_avx2, its dense row into scratch), out of line.
+/// isolate_rows_lean's exact path (isolate_row_avx2, its dense row into scratch), out of line.
 __attribute__((noinline)) inline bool isolate_row_lean_exact(const float* r, int64_t D, int64_t gc,
                                                              int64_t k, int32_t* sel, float* vals,
                                                              float* lo, float* hi,
                                                              OutlierScratch& sc) {
   float* dense = grow(sc.dense, static_cast<std::size_t>(D));
   return isolate_row_avx2(r, D, gc, k, dense, sel, vals, lo, hi, sc);
-}
-
-/// Sum of the 8 lanes of v (a fixed tree of 3 additions).
-inline float hsum8(__m256 v) {
-  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 1));
-  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm256_cvtss_f32(_mm256_add_ps(v, _mm256_shuffle_ps(v, v, _MM_SHUFFLE(2, 3, 0, 1))));
 }
 
 /// op over the 8 lanes of each of v[0..n) (n >= 1), as lane j of the result for v[j]: a fixed
@@ -585,7 +578,7 @@ __attribute__((always_inline)) inline __m256 reduce8(const __m256* v, int64_t n,
   return op(_mm256_permute2f128_ps(u, w, 0x20), _mm256_permute2f128_ps(u, w, 0x31));
 }
 
-/// The threshold of isolate_row_lean's filter, whose statistics are float: per group of
+/// The threshold of isolate_rows_lean's filter, whose statistics are float: per group of
 /// n = 8 NV channels the mean c = fl(sum) / n (two lanes of 8 partial sums, reduce8) and
 /// f = fl(1 / sqrt(fl(sum (x - c)^2) / n)) (the same shape, fma), where the exact definition has
 /// the double mean m and 1 / sd (isd). Let u = 2^-24, L = NV + 4 (at least the depth of both
@@ -629,8 +622,8 @@ template <int NV, int K, int R>
 inline void isolate_rows_lean(const float* const* rs, int64_t D, int32_t* sel_, float* vals_,
                               float* lo_, float* hi_, int64_t gstride, OutlierScratch& sc, bool* ok) {
   constexpr int nr = R;
-  static_assert(K >= 1 && K <= 4, "isolate_row_lean: 1 <= K <= 4");
-  static_assert(NV == 4 || NV % 8 == 0, "isolate_row_lean: group of 32 or a multiple of 64");
+  static_assert(K >= 1 && K <= 4, "isolate_rows_lean: 1 <= K <= 4");
+  static_assert(NV == 4 || NV % 8 == 0, "isolate_rows_lean: group of 32 or a multiple of 64");
   constexpr int64_t GC = 8 * NV;
   const int64_t nc = D / GC;
   // Float statistics (see lean_filter_threshold): per group two lanes of partial sums, the
@@ -788,15 +781,6 @@ inline void isolate_rows_lean(const float* const* rs, int64_t D, int32_t* sel_, 
   }
 }
 
-/// One row of isolate_rows_lean: false when r holds NaN or inf.
-template <int NV, int K>
-inline bool isolate_row_lean(const float* r, int64_t D, int32_t* sel, float* vals, float* lo,
-                             float* hi, OutlierScratch& sc) {
-  bool ok = false;
-  isolate_rows_lean<NV, K, 1>(&r, D, sel, vals, lo, hi, 0, sc, &ok);
-  return ok;
-}
-
 /// Calls f(std::integral_constant<int, NV>, std::integral_constant<int, K>) for the lean
 /// instantiation of (gc, k) (gc 32, 64 or 128; k 1..4; D <= 64 * kRowMaskWords) and returns
 /// true, or returns false (f not called) when there is none.
@@ -834,16 +818,6 @@ inline bool isolate_rows_lean_rt(int nr, const float* const* rs, int64_t D, int6
       isolate_rows_lean<NV, K, 2>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
     else
       isolate_rows_lean<NV, K, 1>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
-  });
-}
-
-/// isolate_row_lean for a group size and k known at run time (D % gc == 0): false (nothing
-/// done, *ok untouched) when with_lean_instance has none, else true with *ok =
-/// isolate_row_lean's result.
-inline bool isolate_row_lean_rt(const float* r, int64_t D, int64_t gc, int64_t k, int32_t* sel,
-                                float* vals, float* lo, float* hi, OutlierScratch& sc, bool* ok) {
-  return with_lean_instance(D, gc, k, [&](auto nv, auto kk) {
-    *ok = isolate_row_lean<decltype(nv)::value, decltype(kk)::value>(r, D, sel, vals, lo, hi, sc);
   });
 }
 

@@ -212,7 +212,7 @@ inline void lean_codes(const Codec& codec, int bits, int64_t gc, const float* r,
                                                 _mm256_broadcast_ss(cb + b)));
       });
     } else {
-      constexpr int nthr = B == 8 ? 1 : (1 << B) - 1;
+      constexpr int nthr = (1 << B) - 1;
       __m256 thr[nthr];
       for (int j = 0; j < nthr; ++j) thr[j] = _mm256_set1_ps(codec.thr[j]);
       lean_row_codes<NV, B>(r, D, out, [&](const float* x, int64_t b) __attribute__((always_inline)) {
@@ -227,9 +227,8 @@ inline void lean_codes(const Codec& codec, int bits, int64_t gc, const float* r,
     }
   };
   auto by_bits = [&](auto nv) __attribute__((always_inline)) {
-    using I = std::integral_constant<int, 2>;
     switch (bits) {
-      case 2: return run(nv, I{});
+      case 2: return run(nv, std::integral_constant<int, 2>{});
       case 3: return run(nv, std::integral_constant<int, 3>{});
       case 4: return run(nv, std::integral_constant<int, 4>{});
       default:
@@ -285,7 +284,7 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
   float* pi = QuantWorkspace::at_least(ws.iv, R * unp);
   float* ps = QuantWorkspace::at_least(ws.u, R * unp);
   const MetaDType meta = cfg.meta;
-  // The lean path (int and nuq codecs, group 32, 64 or 128, k <= 4): isolate_row_lean, no
+  // The lean path (int and nuq codecs, group 32, 64 or 128, k <= 4): isolate_rows_lean, no
   // dense row (the codes clamp to the dense ranges, lean_codes), code bounds in ca / cb.
   [[maybe_unused]] bool lean = false;
   [[maybe_unused]] float* ca = nullptr;
