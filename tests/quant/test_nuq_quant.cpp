@@ -174,4 +174,56 @@ TEST(NuqQuant, TokenRowsMatchOracle) {
   }
 }
 
+// The per-token rows with groups the vectorized parameters handle 8 at a time: head_dims of
+// exactly 8 and of more than 8 groups (a second, partial batch), groups of 32/64/128 (zero and
+// inverse scale hoisted per group) and 8/24 (per 8 channels); rows with constant groups (scale
+// 0), subnormal ranges (an infinite inverse becomes 0), huge offsets and exact zeros of both
+// signs. Bytes equal the oracle's; an error in a later batch does not hide an earlier group's.
+TEST(NuqQuant, TokenRowBatchesAndEdgeGroupsMatchOracle) {
+  const std::pair<int64_t, int64_t> dims[] = {{256, 32}, {320, 32}, {128, 128}, {384, 64},
+                                               {96, 8},   {192, 24}, {72, 8},  {88, 8}};
+  for (int bits : {2, 3, 4})
+    for (const auto& [D, group] : dims)
+      for (kvq::MetaDType meta : {kvq::MetaDType::kF16, kvq::MetaDType::kF32}) {
+        kvq::QuantConfig cfg = nuq_cfg(bits, kvq::Axis::kToken, group);
+        cfg.meta = meta;
+        const kvq::Shape s{5, 3, D};
+        auto x = kvq_test::kv_data(s, static_cast<uint32_t>(D + bits), true);
+        for (int64_t d = 0; d < group; ++d) {
+          x[static_cast<std::size_t>(1 * D + d)] = -0.75f;                           // constant
+          x[static_cast<std::size_t>(4 * D + D - group + d)] = (d % 3 - 1) * 1e-41f;  // subnormal
+          x[static_cast<std::size_t>(7 * D + d)] = 3000.f + (d % 5) * 0.25f;         // offset
+          x[static_cast<std::size_t>(9 * D + d)] = d % 2 ? -0.f : 0.f;                // zeros
+        }
+        SCOPED_TRACE(cfg.name() + " " + s.str());
+        const kvq::KVView<const float> xv(x.data(), s);
+        const kvq::QTensor ref = kvq::reference::quantize_nuq(cfg, xv);
+        const kvq::QTensor fast = kvq::quantize(cfg, xv);
+        EXPECT_EQ(fast.codes, ref.codes);
+        EXPECT_EQ(fast.scales.raw(), ref.scales.raw());
+        EXPECT_EQ(fast.zeros.raw(), ref.zeros.raw());
+      }
+  // fp16 zero point overflow in group 1 of vector 0 and an inf in group 9 (second batch) of the
+  // same vector: the overflow is reported, as the grouped driver reports it.
+  const kvq::Shape s{2, 1, 320};
+  auto x = kvq_test::kv_data(s, 3, false);
+  x[40] = -1e6f;
+  x[9 * 32 + 3] = INFINITY;
+  try {
+    kvq::quantize(nuq_cfg(3, kvq::Axis::kToken, 32), kvq::KVView<const float>(x.data(), s));
+    FAIL() << "no throw";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
+    EXPECT_NE(std::string(e.what()).find("group 1 "), std::string::npos) << e.what();
+  }
+  x[40] = 1.f;  // now the inf, in the second batch, is the first error
+  try {
+    kvq::quantize(nuq_cfg(3, kvq::Axis::kToken, 32), kvq::KVView<const float>(x.data(), s));
+    FAIL() << "no throw";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.kind(), kvq::ErrorKind::kNonFinite);
+    EXPECT_NE(std::string(e.what()).find("channel=291"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace

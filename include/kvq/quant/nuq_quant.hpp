@@ -9,6 +9,7 @@
 /// thresholds <= u, 16 lanes (AVX-512) or 8 (AVX2) at a time, scalar otherwise. With AVX2 the
 /// token axis (groups a multiple of 8 channels) runs one vector at a time with the codes packed
 /// 64 at a time (quantize_nuq_rows).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -177,49 +178,111 @@ __attribute__((always_inline)) inline __m256i nuq_codes8(const float* x, __m256 
   return code;
 }
 
-/// Per-token nuq rows (token axis, group % 8 == 0): the grouped driver's work (group min/max,
-/// parameters, codes) for one vector at a time, with the codes packed 64 at a time
-/// (write_row_codes) instead of one by one. Same bytes, same errors in the same order.
-template <class T>
-void quantize_nuq_rows(const QuantConfig& cfg, const NuqCodec& codec, const KVView<const T>& x,
-                       const PackedSpan& q, QuantWorkspace& ws) {
+/// nuq_codes8 with the 2^B - 1 thresholds known at compile time (unrolled, in registers).
+template <int B>
+__attribute__((always_inline)) inline __m256i nuq_count8(__m256 u, const __m256* thr) {
+  __m256i code = _mm256_setzero_si256();
+  for (int j = 0; j < (1 << B) - 1; ++j)  // a true compare is -1: subtracting it adds 1
+    code = _mm256_sub_epi32(code, _mm256_castps_si256(_mm256_cmp_ps(u, thr[j], _CMP_GE_OQ)));
+  return code;
+}
+
+#if KVQ_HAS_F16C
+/// Per-token nuq rows (token axis, group % 8 == 0), B-bit codes: the grouped driver's work for
+/// one vector at a time. Group minima/maxima and parameters 8 groups at a time in registers
+/// (kernels::group_minmax8 / group_params8, nuq_params bit for bit), codes packed 32 at a
+/// time (with the group's zero and inverse scale hoisted when the group is a multiple of 32).
+/// A row with a non-finite value or a parameter the metadata cannot hold reruns the scalar
+/// per-group loop, which throws the grouped driver's error: same bytes, same errors.
+template <int B, class T>
+void quantize_nuq_rows_b(const QuantConfig& cfg, const NuqCodec& codec, const KVView<const T>& x,
+                         const PackedSpan& q, QuantWorkspace& ws) {
   const Shape s = x.shape();
   const int64_t n = s.numel();
   if (n == 0) return;
   const GroupBox box = group_box(Axis::kToken, cfg.group, s);
   const int64_t H = s.heads, D = s.head_dim, gc = box.gc, nc = box.nc;
-  const int bits = cfg.bits, nthr = (1 << bits) - 1;
-  q.codes[packed_bytes(static_cast<std::size_t>(n), bits) - 1] = 0;
+  q.codes[packed_bytes(static_cast<std::size_t>(n), B) - 1] = 0;
+  const auto np = static_cast<std::size_t>((nc + 7) / 8 * 8);
   float* buf = QuantWorkspace::at_least(ws.buf, static_cast<std::size_t>(D));
-  float* cz = QuantWorkspace::at_least(ws.zv, static_cast<std::size_t>(D / 8));
-  float* ci = QuantWorkspace::at_least(ws.iv, static_cast<std::size_t>(D / 8));
-  __m256 thr[kNuqMaxLevels];
-  for (int j = 0; j < nthr; ++j) thr[j] = _mm256_set1_ps(codec.thr[j]);
+  float* zg = QuantWorkspace::at_least(ws.zv, np);  // per group zero / inverse scale
+  float* ig = QuantWorkspace::at_least(ws.iv, np);
+  float* cz = QuantWorkspace::at_least(ws.lo, static_cast<std::size_t>(D / 8));  // per 8 channels
+  float* ci = QuantWorkspace::at_least(ws.hi, static_cast<std::size_t>(D / 8));
+  constexpr int kThr = (1 << B) - 1;
+  __m256 thr[kThr];
+  for (int j = 0; j < kThr; ++j) thr[j] = _mm256_set1_ps(codec.thr[j]);
+  const bool f16 = cfg.meta == MetaDType::kF16;
+  const int64_t mb = f16 ? 2 : 4;
   const std::size_t row_bytes = static_cast<std::size_t>(D) * sizeof(T);
   for (int64_t t = 0; t < s.tokens; ++t)
     for (int64_t h = 0; h < H; ++h) {
       if (x.dim_contiguous()) kernels::prefetch_ahead(x.row(t, h), row_bytes);
       const float* r = load_row(x, t, h, buf);
       const int64_t v = t * H + h;
-      for (int64_t b = 0, c = 0; b < nc; ++b) {
-        float l = INFINITY, u = -INFINITY;
-        if (!kernels::minmax(r + b * gc, gc, l, u)) throw_non_finite_row(x, t, h, "quantize");
-        const auto g = static_cast<std::size_t>(v * nc + b);
-        const UniformParams p = codec.params(l, u, static_cast<int64_t>(g));
-        store_meta(q.scales, cfg.meta, g, p.scale);
-        store_meta(q.zeros, cfg.meta, g, p.zero);
-        for (int64_t e = 0; e < gc; e += 8, ++c) {
-          cz[c] = p.zero;
-          ci[c] = p.inv;
-        }
+      bool fast = true;
+      for (int64_t b0 = 0; b0 < nc && fast; b0 += 8) {
+        const int cnt = static_cast<int>(std::min<int64_t>(8, nc - b0));
+        __m256 L, Hv, Z, S, I;
+        fast = kernels::group_minmax8(r + b0 * gc, gc, cnt, L, Hv) &&
+               kernels::group_params8(L, Hv, cnt, false, B, 1.f, f16, Z, S, I);
+        if (!fast) break;
+        const int64_t g = v * nc + b0;
+        kernels::store_meta8(S, cnt, f16, q.scales + g * mb);
+        kernels::store_meta8(Z, cnt, f16, q.zeros + g * mb);
+        _mm256_storeu_ps(zg + b0, Z);
+        _mm256_storeu_ps(ig + b0, I);
       }
-      write_row_codes(bits, D, q.codes + static_cast<std::size_t>(v * D * bits / 8),
-                      [&](int64_t e) __attribute__((always_inline)) {
-                        return nuq_codes8(r + e, _mm256_broadcast_ss(cz + e / 8),
-                                          _mm256_broadcast_ss(ci + e / 8), thr, nthr);
-                      });
+      if (!fast)  // the scalar loop: the same parameters, or the grouped driver's error
+        for (int64_t b = 0; b < nc; ++b) {
+          float l = INFINITY, u = -INFINITY;
+          if (!kernels::minmax(r + b * gc, gc, l, u)) throw_non_finite_row(x, t, h, "quantize");
+          const auto g = static_cast<std::size_t>(v * nc + b);
+          const UniformParams p = codec.params(l, u, static_cast<int64_t>(g));
+          store_meta(q.scales, cfg.meta, g, p.scale);
+          store_meta(q.zeros, cfg.meta, g, p.zero);
+          zg[b] = p.zero;
+          ig[b] = p.inv;
+        }
+      uint8_t* out = q.codes + static_cast<std::size_t>(v * D * B / 8);
+      auto code8 = [&](const float* e, __m256 z, __m256 inv) __attribute__((always_inline)) {
+        return nuq_count8<B>(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(e), z), inv), thr);
+      };
+      if (gc % 32 == 0) {
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (int64_t b = 0; b < nc; ++b) {
+          const __m256 z = _mm256_broadcast_ss(zg + b), inv = _mm256_broadcast_ss(ig + b);
+          for (int64_t c = 0; c < gc; c += 32, out += 4 * B) {
+            const float* e = r + b * gc + c;
+            const __m256i p = _mm256_packs_epi32(code8(e, z, inv), code8(e + 8, z, inv));
+            const __m256i u = _mm256_packs_epi32(code8(e + 16, z, inv), code8(e + 24, z, inv));
+            pack32_store<B>(_mm256_permutevar8x32_epi32(_mm256_packus_epi16(p, u), order), out);
+          }
+        }
+      } else {
+        for (int64_t b = 0, c = 0; b < nc; ++b)
+          for (int64_t e = 0; e < gc; e += 8, ++c) {
+            cz[c] = zg[b];
+            ci[c] = ig[b];
+          }
+        write_row_codes<B>(D, out, [&](int64_t e) __attribute__((always_inline)) {
+          return code8(r + e, _mm256_broadcast_ss(cz + e / 8), _mm256_broadcast_ss(ci + e / 8));
+        });
+      }
     }
 }
+
+/// quantize_nuq_rows_b for the config's bits (2, 3 or 4).
+template <class T>
+void quantize_nuq_rows(const QuantConfig& cfg, const NuqCodec& codec, const KVView<const T>& x,
+                       const PackedSpan& q, QuantWorkspace& ws) {
+  switch (cfg.bits) {
+    case 2: return quantize_nuq_rows_b<2>(cfg, codec, x, q, ws);
+    case 3: return quantize_nuq_rows_b<3>(cfg, codec, x, q, ws);
+    default: return quantize_nuq_rows_b<4>(cfg, codec, x, q, ws);
+  }
+}
+#endif
 #endif
 
 }  // namespace detail
@@ -231,7 +294,7 @@ template <class T>
 void quantize_nuq(const QuantConfig& cfg, const KVView<const T>& x, const PackedSpan& q,
                   QuantWorkspace& ws) {
   const detail::NuqCodec codec(cfg);
-#if KVQ_HAS_AVX2
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
   if (cfg.axis == Axis::kToken && group_box(cfg.axis, cfg.group, x.shape()).gc % 8 == 0)
     return detail::quantize_nuq_rows(cfg, codec, x, q, ws);
 #endif

@@ -101,42 +101,24 @@ __attribute__((always_inline)) inline __m256i int_codes8(const float* x, __m256 
 }
 
 #if KVQ_HAS_F16C
-/// uniform_params of n <= 8 groups at once (lane b = group b), bit for bit: zero, scale and
-/// inv into z, s, inv (8 floats each are written; lanes >= n are junk). False when a lane's zero or scale is not finite in the metadata type
-/// (the scalar uniform_params then throws, naming the group).
-inline bool int_params8(const IntCodec& c, const float* lo, const float* hi, int n, float* z,
-                        float* s, float* inv) {
-  const __m256i lanes =
-      _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256 L = _mm256_maskload_ps(lo, lanes), Hv = _mm256_maskload_ps(hi, lanes);
-  const __m256 zero = _mm256_setzero_ps();
-  const bool f16 = c.meta == MetaDType::kF16;
-  auto round_meta8 = [f16](__m256 v) {
-    return f16 ? _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
-               : v;
-  };
-  __m256 Z, S;
-  if (c.symmetric) {
-    const __m256 neg_lo = _mm256_xor_ps(L, _mm256_set1_ps(-0.f));
-    const __m256 m = _mm256_blendv_ps(L, Hv, _mm256_cmp_ps(Hv, neg_lo, _CMP_GE_OQ));
-    S = _mm256_add_ps(
-        round_meta8(_mm256_div_ps(m, _mm256_set1_ps(-static_cast<float>(1 << (c.bits - 1))))),
-        zero);
-    Z = zero;
-  } else {
-    Z = round_meta8(_mm256_add_ps(L, zero));
-    __m256 sv = _mm256_div_ps(_mm256_sub_ps(Hv, Z), _mm256_set1_ps(static_cast<float>((1 << c.bits) - 1)));
-    sv = _mm256_and_ps(_mm256_cmp_ps(sv, zero, _CMP_GT_OQ), sv);
-    S = round_meta8(sv);
+/// The parameters of n <= 8 groups at once (lane b = group b) of an int or nuq codec, bit for
+/// bit its params() (kernels::group_params8): zero, scale and inv into z, s, inv (8 floats
+/// each are written; lanes >= n are junk). False when a lane's zero or scale is not finite in
+/// the metadata type (the scalar params() then throws, naming the group).
+template <class Codec>
+inline bool dense_params8(const Codec& c, const float* lo, const float* hi, int n, float* z,
+                          float* s, float* inv) {
+  const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256 Z, S, I;
+  bool symmetric = false;
+  float qdiv = 1.f;  // nuq: u = (x - zero) / scale, scale = max - min
+  if constexpr (std::is_same_v<Codec, IntCodec>) {
+    symmetric = c.symmetric;
+    qdiv = static_cast<float>((1 << c.bits) - 1);
   }
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 inf8 = _mm256_set1_ps(INFINITY);
-  const __m256 ok = _mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(Z, abs_mask), inf8, _CMP_LT_OQ),
-                                  _mm256_cmp_ps(_mm256_and_ps(S, abs_mask), inf8, _CMP_LT_OQ));
-  if ((_mm256_movemask_ps(ok) & ((1 << n) - 1)) != (1 << n) - 1) return false;
-  __m256 I = _mm256_and_ps(_mm256_cmp_ps(S, zero, _CMP_NEQ_OQ),
-                           _mm256_div_ps(_mm256_set1_ps(1.f), S));
-  I = _mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(I, abs_mask), inf8, _CMP_LT_OQ), I);
+  if (!kernels::group_params8(_mm256_maskload_ps(lo, lanes), _mm256_maskload_ps(hi, lanes), n,
+                              symmetric, c.bits, qdiv, c.meta == MetaDType::kF16, Z, S, I))
+    return false;
   _mm256_storeu_ps(z, Z);  // all 8 lanes (the caller's arrays hold 8)
   _mm256_storeu_ps(s, S);
   _mm256_storeu_ps(inv, I);
@@ -242,16 +224,6 @@ inline void lean_codes(const Codec& codec, int bits, int64_t gc, const float* r,
   }
 }
 
-/// memcpy of n <= 32 bytes with the common sizes up to 16 fixed (no library call).
-inline void copy_small(uint8_t* dst, const void* src, std::size_t n) {
-  switch (n) {
-    case 2: std::memcpy(dst, src, 2); return;
-    case 4: std::memcpy(dst, src, 4); return;
-    case 8: std::memcpy(dst, src, 8); return;
-    case 16: std::memcpy(dst, src, 16); return;
-    default: std::memcpy(dst, src, n); return;
-  }
-}
 #endif
 
 /// The fused token-axis path (see the file comment): every vector of x is isolated
@@ -346,21 +318,14 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
       const auto g0 = static_cast<std::size_t>(v * nc);
       bool done = false;
 #if KVQ_HAS_AVX2 && KVQ_HAS_F16C
-      if constexpr (std::is_same_v<Codec, IntCodec>) {
-        if (nc <= 8 && int_params8(codec, l, u, static_cast<int>(nc), zg, sg, ig)) {
+      if constexpr (std::is_same_v<Codec, IntCodec> || std::is_same_v<Codec, NuqCodec>) {
+        if (nc <= 8 && dense_params8(codec, l, u, static_cast<int>(nc), zg, sg, ig)) {
           done = true;
-          if (meta == MetaDType::kF16) {
-            uint16_t hs[8], hz[8];
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(hs),
-                             _mm256_cvtps_ph(_mm256_loadu_ps(sg), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(hz),
-                             _mm256_cvtps_ph(_mm256_loadu_ps(zg), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            copy_small(q.scales + 2 * g0, hs, static_cast<std::size_t>(2 * nc));
-            if (codec.has_zero()) copy_small(q.zeros + 2 * g0, hz, static_cast<std::size_t>(2 * nc));
-          } else {
-            copy_small(q.scales + 4 * g0, sg, static_cast<std::size_t>(4 * nc));
-            if (codec.has_zero()) copy_small(q.zeros + 4 * g0, zg, static_cast<std::size_t>(4 * nc));
-          }
+          const bool f16 = meta == MetaDType::kF16;
+          const auto mb = static_cast<std::size_t>(f16 ? 2 : 4);
+          kernels::store_meta8(_mm256_loadu_ps(sg), static_cast<int>(nc), f16, q.scales + mb * g0);
+          if (codec.has_zero())
+            kernels::store_meta8(_mm256_loadu_ps(zg), static_cast<int>(nc), f16, q.zeros + mb * g0);
         }
       }
 #endif

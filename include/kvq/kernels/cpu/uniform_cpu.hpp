@@ -279,6 +279,108 @@ inline void decode_run_vec(const uint8_t* codes, const float* s, const float* z,
 #define KVQ_ROW_TOKEN_KERNEL 0
 #endif
 
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+/// Parameters of up to 8 groups at once (lane j = group j) from their minima L and maxima Hv,
+/// bit for bit the scalar uniform_params (qdiv = qmax) and nuq_params (asymmetric, qdiv = 1):
+/// the same IEEE operations in the same order, fp16 rounding (f16) by the same RNE conversion.
+/// Asymmetric: Z = round_meta(L + 0), S = round_meta((Hv - Z) / qdiv), +0 unless that is > 0.
+/// Symmetric: Z = 0, S = round_meta(m / -2^(bits - 1)) + 0, m = (Hv >= -L) ? Hv : L.
+/// I = 1 / S, or 0 where S is 0 or 1 / S is infinite. Returns false when a lane below n has a
+/// non-finite Z or S (the scalar function then throws, naming the group); lanes >= n are junk.
+__attribute__((always_inline)) inline bool group_params8(__m256 L, __m256 Hv, int n,
+                                                         bool symmetric, int bits, float qdiv,
+                                                         bool f16, __m256& Z, __m256& S,
+                                                         __m256& I) {
+  const __m256 zero = _mm256_setzero_ps();
+  auto round_meta8 = [f16](__m256 v) {
+    return f16 ? _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))
+               : v;
+  };
+  if (symmetric) {
+    const __m256 ge = _mm256_cmp_ps(Hv, _mm256_sub_ps(zero, L), _CMP_GE_OQ);
+    S = _mm256_add_ps(round_meta8(_mm256_div_ps(_mm256_blendv_ps(L, Hv, ge),
+                                                _mm256_set1_ps(-static_cast<float>(1 << (bits - 1))))),
+                      zero);
+    Z = zero;
+  } else {
+    Z = round_meta8(_mm256_add_ps(L, zero));
+    __m256 sv = _mm256_div_ps(_mm256_sub_ps(Hv, Z), _mm256_set1_ps(qdiv));
+    sv = _mm256_and_ps(_mm256_cmp_ps(sv, zero, _CMP_GT_OQ), sv);  // !(s > 0) -> +0
+    S = round_meta8(sv);
+  }
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256 ok = _mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(Z, abs_mask), inf8, _CMP_LT_OQ),
+                                  _mm256_cmp_ps(_mm256_and_ps(S, abs_mask), inf8, _CMP_LT_OQ));
+  if ((_mm256_movemask_ps(ok) & ((1 << n) - 1)) != (1 << n) - 1) return false;
+  // Lanes with S == 0 divide by zero (inf, flag only: exceptions are masked) and are cleared.
+  I = _mm256_and_ps(_mm256_cmp_ps(S, zero, _CMP_NEQ_OQ), _mm256_div_ps(_mm256_set1_ps(1.f), S));
+  I = _mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(I, abs_mask), inf8, _CMP_LT_OQ), I);
+  return true;
+}
+
+/// Stores the n <= 8 low lanes of v as metadata values (fp16 bits when f16, else f32) at dst.
+inline void store_meta8(__m256 v, int n, bool f16, uint8_t* dst) {
+  if (!f16) {
+    if (n == 8) {
+      _mm256_storeu_ps(reinterpret_cast<float*>(dst), v);
+    } else {
+      alignas(32) float tmp[8];
+      _mm256_store_ps(tmp, v);
+      std::memcpy(dst, tmp, static_cast<std::size_t>(n) * 4);
+    }
+    return;
+  }
+  const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  switch (n) {
+    case 8: _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h); return;
+    case 4: _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), h); return;
+    case 2: {
+      const auto w = static_cast<uint32_t>(_mm_cvtsi128_si32(h));
+      std::memcpy(dst, &w, 4);
+      return;
+    }
+    default: {
+      alignas(16) uint16_t tmp[8];
+      _mm_store_si128(reinterpret_cast<__m128i*>(tmp), h);
+      std::memcpy(dst, tmp, static_cast<std::size_t>(n) * 2);
+    }
+  }
+}
+
+/// Minima and maxima of n <= 8 consecutive groups of gc channels (gc % 8 == 0) of row r into
+/// lanes 0 .. n-1 of L and Hv (lanes >= n are junk). Returns false if a value is NaN or +-inf.
+__attribute__((always_inline)) inline bool group_minmax8(const float* r, int64_t gc, int n,
+                                                         __m256& L, __m256& Hv) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  L = _mm256_setzero_ps();
+  Hv = _mm256_setzero_ps();
+  __m256 bad = _mm256_setzero_ps();  // v - v: +0 for finite v, NaN otherwise
+  for (int j = 0; j < n; ++j) {
+    const float* g = r + j * gc;
+    __m256 vlo = _mm256_loadu_ps(g), vhi = vlo;
+    bad = _mm256_or_ps(bad, _mm256_sub_ps(vlo, vlo));
+    for (int64_t k = 8; k < gc; k += 8) {
+      const __m256 v = _mm256_loadu_ps(g + k);
+      bad = _mm256_or_ps(bad, _mm256_sub_ps(v, v));
+      vlo = _mm256_min_ps(vlo, v);
+      vhi = _mm256_max_ps(vhi, v);
+    }
+    vlo = _mm256_min_ps(vlo, _mm256_permute2f128_ps(vlo, vlo, 0x01));
+    vhi = _mm256_max_ps(vhi, _mm256_permute2f128_ps(vhi, vhi, 0x01));
+    vlo = _mm256_min_ps(vlo, _mm256_permute_ps(vlo, 0x4E));
+    vhi = _mm256_max_ps(vhi, _mm256_permute_ps(vhi, 0x4E));
+    vlo = _mm256_min_ps(vlo, _mm256_permute_ps(vlo, 0xB1));
+    vhi = _mm256_max_ps(vhi, _mm256_permute_ps(vhi, 0xB1));
+    const __m256 lane = _mm256_castsi256_ps(_mm256_cmpeq_epi32(iota, _mm256_set1_epi32(j)));
+    L = _mm256_blendv_ps(L, vlo, lane);
+    Hv = _mm256_blendv_ps(Hv, vhi, lane);
+  }
+  const __m256i b = _mm256_castps_si256(bad);
+  return _mm256_testz_si256(b, b) != 0;
+}
+#endif
+
 #if KVQ_HAS_AVX512
 /// uniform_params for up to 16 groups at once (lane j = group j, lanes outside m ignored): the
 /// same IEEE operations in the same order as the scalar function, fp16 rounding by the same RNE
@@ -430,52 +532,10 @@ inline bool quantize_row_token(const float* row, int64_t D, int64_t gc, int bits
 inline bool uniform_params8(__m256 L, __m256 Hv, int n, int bits, bool symmetric, bool f16meta,
                             float qmax, uint8_t* meta_scale, uint8_t* meta_zero, __m256& z,
                             __m256& inv) {
-  const __m256 zero = _mm256_setzero_ps();
-  const __m256 m = _mm256_castsi256_ps(avx2::lanes_below(n));
-  constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  auto round_meta_v = [&](__m256 v) {
-    return f16meta ? _mm256_cvtph_ps(_mm256_cvtps_ph(v, kRne)) : v;
-  };
   __m256 sc;
-  z = zero;
-  if (symmetric) {
-    // m = (hi >= -lo) ? hi : lo; scale = round_meta(m / -2^(bits-1)) + 0
-    const __m256 ge = _mm256_cmp_ps(Hv, _mm256_sub_ps(zero, L), _CMP_GE_OQ);
-    const __m256 mv = _mm256_blendv_ps(L, Hv, ge);
-    sc = _mm256_add_ps(
-        round_meta_v(_mm256_div_ps(mv, _mm256_set1_ps(-static_cast<float>(1 << (bits - 1))))),
-        zero);
-  } else {
-    z = round_meta_v(_mm256_add_ps(L, zero));
-    if (_mm256_movemask_ps(_mm256_and_ps(avx2::nonfinite_mask(z), m))) return false;
-    __m256 sv = _mm256_div_ps(_mm256_sub_ps(Hv, z), _mm256_set1_ps(qmax));
-    sv = _mm256_and_ps(sv, _mm256_cmp_ps(sv, zero, _CMP_GT_OQ));  // !(s > 0) -> +0
-    sc = round_meta_v(sv);
-  }
-  if (_mm256_movemask_ps(_mm256_and_ps(avx2::nonfinite_mask(sc), m))) return false;
-  // inv = 1 / sc where sc != 0, else 0; an infinite inverse (subnormal scale) becomes 0. Lanes
-  // with sc == 0 divide by zero (inf, flag only: exceptions are masked) and are then cleared.
-  inv = _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0f), sc),
-                      _mm256_cmp_ps(sc, zero, _CMP_NEQ_UQ));
-  inv = _mm256_andnot_ps(avx2::nonfinite_mask(inv), inv);
-  auto store = [&](uint8_t* dst, __m256 v) {
-    if (!f16meta) {
-      _mm256_maskstore_ps(reinterpret_cast<float*>(dst), _mm256_castps_si256(m), v);
-      return;
-    }
-    const __m128i h = _mm256_cvtps_ph(v, kRne);
-    switch (n) {
-      case 8: _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h); break;
-      case 4: _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), h); break;
-      default: {
-        alignas(16) uint16_t tmp[8];
-        _mm_store_si128(reinterpret_cast<__m128i*>(tmp), h);
-        std::memcpy(dst, tmp, static_cast<std::size_t>(n) * 2);
-      }
-    }
-  };
-  store(meta_scale, sc);
-  if (!symmetric) store(meta_zero, z);
+  if (!group_params8(L, Hv, n, symmetric, bits, qmax, f16meta, z, sc, inv)) return false;
+  store_meta8(sc, n, f16meta, meta_scale);
+  if (!symmetric) store_meta8(z, n, f16meta, meta_zero);
   return true;
 }
 
@@ -516,24 +576,9 @@ inline bool quantize_row_token(const float* row, int64_t D, int64_t gc, int bits
                                bool f16meta, float off, float qmax, uint8_t* meta_scale,
                                uint8_t* meta_zero, uint8_t* codes, uint8_t* packed4 = nullptr) {
   const int ng = static_cast<int>(D / gc);
-  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   // Group minima/maxima gathered in registers (lane j = group j), no round trip through memory.
-  __m256 L = _mm256_setzero_ps(), Hv = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-  for (int j = 0; j < ng; ++j) {
-    const float* g = row + j * gc;
-    __m256 vlo = _mm256_loadu_ps(g), vhi = vlo;
-    bad = avx2::nonfinite_acc(bad, vlo);
-    for (int64_t k = 8; k < gc; k += 8) {
-      const __m256 v = _mm256_loadu_ps(g + k);
-      bad = avx2::nonfinite_acc(bad, v);
-      vlo = _mm256_min_ps(vlo, v);
-      vhi = _mm256_max_ps(vhi, v);
-    }
-    const __m256 lane = _mm256_castsi256_ps(_mm256_cmpeq_epi32(iota, _mm256_set1_epi32(j)));
-    L = _mm256_blendv_ps(L, avx2::all_min(vlo), lane);
-    Hv = _mm256_blendv_ps(Hv, avx2::all_max(vhi), lane);
-  }
-  if (avx2::any_bits(bad)) return false;
+  __m256 L, Hv;
+  if (!group_minmax8(row, gc, ng, L, Hv)) return false;
   __m256 z, inv;
   if (!uniform_params8(L, Hv, ng, bits, symmetric, f16meta, qmax, meta_scale, meta_zero, z, inv))
     return false;
