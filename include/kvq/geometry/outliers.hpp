@@ -711,7 +711,9 @@ inline void isolate_rows_lean(const float* const* rs, int64_t D, int32_t* sel_, 
   // A marked lane becomes a NaN (every bit but the sign set), which vminps / vmaxps skip when
   // it is their first operand (they return the second when either is NaN).
   const __m256 nan_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  uint64_t m[R][kRowMaskWords] = {};
+  uint64_t m[R][kRowMaskWords];  // the words a row uses are zeroed (not all: no rep stos)
+  for (int i = 0; i < nr; ++i)
+    for (int64_t w = 0; w < (D + 63) / 64; ++w) m[i][w] = 0;
   for (int i = 0; i < nr; ++i) {
     const float* r = rs[i];
     const float* score = score_ + i * D;

@@ -178,14 +178,51 @@ __attribute__((always_inline)) inline __m256i nuq_codes8(const float* x, __m256 
   return code;
 }
 
-/// nuq_codes8 with the 2^B - 1 thresholds known at compile time (unrolled, in registers).
+/// The nuq code of 8 values u at once for B-bit codes: the number of the 2^B - 1 thresholds
+/// <= u, as codebook_encode (NaN compares false: code 0). B = 2 counts the 3 compares; B = 3
+/// and 4 binary-search the ascending thresholds (3 or 4 compares instead of 7 or 15): the
+/// first threshold is a broadcast, the second a blend of two broadcasts by the first answer,
+/// the rest are looked up by vpermps in the thresholds held in lanes (lo: 0-7, hi: 8-14).
 template <int B>
-__attribute__((always_inline)) inline __m256i nuq_count8(__m256 u, const __m256* thr) {
-  __m256i code = _mm256_setzero_si256();
-  for (int j = 0; j < (1 << B) - 1; ++j)  // a true compare is -1: subtracting it adds 1
-    code = _mm256_sub_epi32(code, _mm256_castps_si256(_mm256_cmp_ps(u, thr[j], _CMP_GE_OQ)));
-  return code;
-}
+struct NuqSearch8 {
+  static constexpr int kThr = (1 << B) - 1;
+  __m256 thr[kThr];  // thr[j] in every lane
+  __m256 lo, hi;
+  explicit NuqSearch8(const float* t) {
+    for (int j = 0; j < kThr; ++j) thr[j] = _mm256_set1_ps(t[j]);
+    alignas(32) float lanes[16];
+    for (int j = 0; j < 16; ++j) lanes[j] = j < kThr ? t[j] : INFINITY;
+    lo = _mm256_load_ps(lanes);
+    hi = _mm256_load_ps(lanes + 8);
+  }
+  __attribute__((always_inline)) __m256i operator()(__m256 u) const {
+    auto ge = [&](__m256 t) __attribute__((always_inline)) { return _mm256_cmp_ps(u, t, _CMP_GE_OQ); };
+    auto bits = [](__m256 m, int b) __attribute__((always_inline)) {
+      return _mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32(b));
+    };
+    if constexpr (B == 2) {
+      __m256i code = _mm256_setzero_si256();
+      for (int j = 0; j < kThr; ++j)  // a true compare is -1: subtracting it adds 1
+        code = _mm256_sub_epi32(code, _mm256_castps_si256(ge(thr[j])));
+      return code;
+    } else if constexpr (B == 3) {
+      const __m256 m1 = ge(thr[3]);                           // code >= 4
+      const __m256 m2 = ge(_mm256_blendv_ps(thr[1], thr[5], m1));  // code >= c + 2
+      const __m256i c = _mm256_or_si256(bits(m1, 4), bits(m2, 2));
+      return _mm256_sub_epi32(c, _mm256_castps_si256(ge(_mm256_permutevar8x32_ps(lo, c))));
+    } else {
+      static_assert(B == 4, "NuqSearch8: B is 2, 3 or 4");
+      const __m256 m1 = ge(thr[7]);                           // code >= 8
+      const __m256 m2 = ge(_mm256_blendv_ps(thr[3], thr[11], m1));  // code >= c + 4
+      __m256i c = _mm256_or_si256(bits(m1, 8), bits(m2, 4));
+      auto at = [&](__m256i i) __attribute__((always_inline)) {  // threshold i (lanes of i & 7, half by m1)
+        return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, i), _mm256_permutevar8x32_ps(hi, i), m1);
+      };
+      c = _mm256_or_si256(c, bits(ge(at(_mm256_or_si256(c, _mm256_set1_epi32(1)))), 2));
+      return _mm256_sub_epi32(c, _mm256_castps_si256(ge(at(c))));
+    }
+  }
+};
 
 #if KVQ_HAS_F16C
 /// Per-token nuq rows (token axis, group % 8 == 0), B-bit codes: the grouped driver's work for
@@ -209,9 +246,7 @@ void quantize_nuq_rows_b(const QuantConfig& cfg, const NuqCodec& codec, const KV
   float* ig = QuantWorkspace::at_least(ws.iv, np);
   float* cz = QuantWorkspace::at_least(ws.lo, static_cast<std::size_t>(D / 8));  // per 8 channels
   float* ci = QuantWorkspace::at_least(ws.hi, static_cast<std::size_t>(D / 8));
-  constexpr int kThr = (1 << B) - 1;
-  __m256 thr[kThr];
-  for (int j = 0; j < kThr; ++j) thr[j] = _mm256_set1_ps(codec.thr[j]);
+  const NuqSearch8<B> search(codec.thr);
   const bool f16 = cfg.meta == MetaDType::kF16;
   const int64_t mb = f16 ? 2 : 4;
   const std::size_t row_bytes = static_cast<std::size_t>(D) * sizeof(T);
@@ -246,7 +281,7 @@ void quantize_nuq_rows_b(const QuantConfig& cfg, const NuqCodec& codec, const KV
         }
       uint8_t* out = q.codes + static_cast<std::size_t>(v * D * B / 8);
       auto code8 = [&](const float* e, __m256 z, __m256 inv) __attribute__((always_inline)) {
-        return nuq_count8<B>(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(e), z), inv), thr);
+        return search(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(e), z), inv));
       };
       if (gc % 32 == 0) {
         const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);

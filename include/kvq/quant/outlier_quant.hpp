@@ -194,17 +194,11 @@ inline void lean_codes(const Codec& codec, int bits, int64_t gc, const float* r,
                                                 _mm256_broadcast_ss(cb + b)));
       });
     } else {
-      constexpr int nthr = (1 << B) - 1;
-      __m256 thr[nthr];
-      for (int j = 0; j < nthr; ++j) thr[j] = _mm256_set1_ps(codec.thr[j]);
+      const NuqSearch8<B> search(codec.thr);
       lean_row_codes<NV, B>(r, D, out, [&](const float* x, int64_t b) __attribute__((always_inline)) {
-        __m256 u = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), _mm256_broadcast_ss(z + b)),
-                                 _mm256_broadcast_ss(inv + b));
-        u = _mm256_min_ps(_mm256_max_ps(u, _mm256_broadcast_ss(ca + b)), _mm256_broadcast_ss(cb + b));
-        __m256i code = _mm256_setzero_si256();
-        for (int j = 0; j < nthr; ++j)
-          code = _mm256_sub_epi32(code, _mm256_castps_si256(_mm256_cmp_ps(u, thr[j], _CMP_GE_OQ)));
-        return code;
+        const __m256 u = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), _mm256_broadcast_ss(z + b)),
+                                       _mm256_broadcast_ss(inv + b));
+        return search(_mm256_min_ps(_mm256_max_ps(u, _mm256_broadcast_ss(ca + b)), _mm256_broadcast_ss(cb + b)));
       });
     }
   };
