@@ -12,6 +12,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <random>
 #include <vector>
 
@@ -373,10 +374,41 @@ TEST(OutlierRow, FloatAtMostMatchesNextafter) {
   }
 }
 
-// One row through the fused quantizer's lean entry point (isolate_rows_lean_rt, nr = 1).
+// One row through the fused quantizer's lean entry point (isolate_rows_lean_rt, nr = 1). When
+// that succeeds, the row also goes through the pair instances (nr = 2: the group count fixed
+// at compile time for head_dim 64, 128 and 256, at run time otherwise) in either slot, next to
+// its reverse: every output must equal the single row's (and the reverse's equal in both slots).
 bool lean_row(const float* r, int64_t D, int64_t gc, int64_t k, int32_t* sel, float* vals,
               float* lo, float* hi, kvq::OutlierScratch& sc, bool* ok) {
-  return kvq::detail::isolate_rows_lean_rt(1, &r, D, gc, k, sel, vals, lo, hi, 0, sc, ok);
+  const bool ran = kvq::detail::isolate_rows_lean_rt(1, &r, D, gc, k, sel, vals, lo, hi, 0, sc, ok);
+  if (!ran || !*ok) return ran;
+  const std::vector<float> rev(std::make_reverse_iterator(r + D), std::make_reverse_iterator(r));
+  const int64_t nc = D / gc;
+  const auto uk = static_cast<std::size_t>(k), unc = static_cast<std::size_t>(nc);
+  std::vector<int32_t> sel2[2];
+  std::vector<float> vals2[2], lo2[2], hi2[2];
+  for (int order = 0; order < 2; ++order) {
+    const float* rows[2] = {order == 0 ? r : rev.data(), order == 0 ? rev.data() : r};
+    sel2[order].assign(2 * uk, -1);
+    vals2[order].assign(2 * uk, 0.f);
+    lo2[order].assign(2 * unc, 0.f);
+    hi2[order].assign(2 * unc, 0.f);
+    bool ok2[2] = {false, false};
+    EXPECT_TRUE(kvq::detail::isolate_rows_lean_rt(2, rows, D, gc, k, sel2[order].data(),
+                                                  vals2[order].data(), lo2[order].data(),
+                                                  hi2[order].data(), nc, sc, ok2));
+    EXPECT_TRUE(ok2[0] && ok2[1]);
+    const std::size_t s_r = order == 0 ? 0 : 1;  // slot of r
+    EXPECT_TRUE(std::equal(sel, sel + k, sel2[order].begin() + static_cast<std::ptrdiff_t>(s_r * uk)));
+    EXPECT_TRUE(same_bits(vals, vals2[order].data() + s_r * uk, uk));
+    EXPECT_TRUE(same_bits(lo, lo2[order].data() + s_r * unc, unc));
+    EXPECT_TRUE(same_bits(hi, hi2[order].data() + s_r * unc, unc));
+  }
+  EXPECT_TRUE(std::equal(sel2[0].begin() + static_cast<std::ptrdiff_t>(uk), sel2[0].end(), sel2[1].begin()));
+  EXPECT_TRUE(same_bits(vals2[0].data() + uk, vals2[1].data(), uk));
+  EXPECT_TRUE(same_bits(lo2[0].data() + unc, lo2[1].data(), unc));
+  EXPECT_TRUE(same_bits(hi2[0].data() + unc, hi2[1].data(), unc));
+  return ran;
 }
 
 // The lean row isolation of the fused quantizer (isolate_rows_lean: group 32, 64 or 128, k <= 4,

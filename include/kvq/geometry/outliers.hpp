@@ -618,13 +618,16 @@ inline float lean_filter_threshold(float tk, float emax_f, int NV) {
 /// they are the selection (row_select_avx2's common case) and those min / max are the dense
 /// ranges (a zero bound then takes the sign of the first non-selected zero); otherwise (near
 /// ties, a 1 / sd float cannot hold) it reruns isolate_row_avx2. False when r holds NaN or inf.
-template <int NV, int K, int R>
+template <int NV, int K, int R, int NC = 0>
 inline void isolate_rows_lean(const float* const* rs, int64_t D, int32_t* sel_, float* vals_,
                               float* lo_, float* hi_, int64_t gstride, OutlierScratch& sc, bool* ok) {
   constexpr int nr = R;
   static_assert(K >= 1 && K <= 4, "isolate_rows_lean: 1 <= K <= 4");
   static_assert(NV == 4 || NV % 8 == 0, "isolate_rows_lean: group of 32 or a multiple of 64");
   constexpr int64_t GC = 8 * NV;
+  // NC > 0: the row holds NC groups, known at compile time (the loops over groups unroll and the
+  // per-group arrays stay in registers); the caller passes D = NC * GC.
+  if constexpr (NC > 0) D = NC * GC;
   const int64_t nc = D / GC;
   // Float statistics (see lean_filter_threshold): per group two lanes of partial sums, the
   // groups' 8-lane vectors reduced 8 groups at a time (reduce8); a group outside the proven
@@ -816,10 +819,24 @@ inline bool isolate_rows_lean_rt(int nr, const float* const* rs, int64_t D, int6
   if (nr < 1 || nr > 2) return false;
   return with_lean_instance(D, gc, k, [&](auto nv, auto kk) {
     constexpr int NV = decltype(nv)::value, K = decltype(kk)::value;
-    if (nr == 2)
-      isolate_rows_lean<NV, K, 2>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
-    else
-      isolate_rows_lean<NV, K, 1>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
+    if (nr == 1) return isolate_rows_lean<NV, K, 1>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
+    // Pairs of the common head_dims 64, 128 and 256 with the group count fixed at compile time
+    // (about 30% fewer instructions than the run-time count); other head_dims at run time.
+    auto fixed = [&](auto ncc) {
+      constexpr int NC = decltype(ncc)::value;
+      constexpr int64_t Dc = int64_t{NC} * 8 * NV;
+      if constexpr (Dc == 64 || Dc == 128 || Dc == 256) {
+        if (D == Dc) {
+          isolate_rows_lean<NV, K, 2, NC>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
+          return true;
+        }
+      }
+      return false;
+    };
+    if (fixed(std::integral_constant<int, 1>{}) || fixed(std::integral_constant<int, 2>{}) ||
+        fixed(std::integral_constant<int, 4>{}) || fixed(std::integral_constant<int, 8>{}))
+      return;
+    isolate_rows_lean<NV, K, 2>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
   });
 }
 
