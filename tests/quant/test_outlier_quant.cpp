@@ -375,9 +375,10 @@ TEST(OutlierRow, FloatAtMostMatchesNextafter) {
 }
 
 // One row through the fused quantizer's lean entry point (isolate_rows_lean_rt, nr = 1). When
-// that succeeds, the row also goes through the pair instances (nr = 2: the group count fixed
-// at compile time for head_dim 64, 128 and 256, at run time otherwise) in either slot, next to
-// its reverse: every output must equal the single row's (and the reverse's equal in both slots).
+// that succeeds, the row also goes through the multi-row calls (2, 3 and 4 rows: for head_dim
+// 64, 128 and 256 the four-row instance with the group count fixed at compile time, fewer rows
+// padded; pairs at run time otherwise) in several slots, next to its reverse: every slot
+// holding the row must give the single row's outputs, every slot holding the reverse the same.
 bool lean_row(const float* r, int64_t D, int64_t gc, int64_t k, int32_t* sel, float* vals,
               float* lo, float* hi, kvq::OutlierScratch& sc, bool* ok) {
   const bool ran = kvq::detail::isolate_rows_lean_rt(1, &r, D, gc, k, sel, vals, lo, hi, 0, sc, ok);
@@ -385,29 +386,40 @@ bool lean_row(const float* r, int64_t D, int64_t gc, int64_t k, int32_t* sel, fl
   const std::vector<float> rev(std::make_reverse_iterator(r + D), std::make_reverse_iterator(r));
   const int64_t nc = D / gc;
   const auto uk = static_cast<std::size_t>(k), unc = static_cast<std::size_t>(nc);
-  std::vector<int32_t> sel2[2];
-  std::vector<float> vals2[2], lo2[2], hi2[2];
-  for (int order = 0; order < 2; ++order) {
-    const float* rows[2] = {order == 0 ? r : rev.data(), order == 0 ? rev.data() : r};
-    sel2[order].assign(2 * uk, -1);
-    vals2[order].assign(2 * uk, 0.f);
-    lo2[order].assign(2 * unc, 0.f);
-    hi2[order].assign(2 * unc, 0.f);
-    bool ok2[2] = {false, false};
-    EXPECT_TRUE(kvq::detail::isolate_rows_lean_rt(2, rows, D, gc, k, sel2[order].data(),
-                                                  vals2[order].data(), lo2[order].data(),
-                                                  hi2[order].data(), nc, sc, ok2));
-    EXPECT_TRUE(ok2[0] && ok2[1]);
-    const std::size_t s_r = order == 0 ? 0 : 1;  // slot of r
-    EXPECT_TRUE(std::equal(sel, sel + k, sel2[order].begin() + static_cast<std::ptrdiff_t>(s_r * uk)));
-    EXPECT_TRUE(same_bits(vals, vals2[order].data() + s_r * uk, uk));
-    EXPECT_TRUE(same_bits(lo, lo2[order].data() + s_r * unc, unc));
-    EXPECT_TRUE(same_bits(hi, hi2[order].data() + s_r * unc, unc));
+  const std::vector<std::vector<int>> layouts = {{0, 1}, {1, 0}, {1, 0, 1}, {1, 0, 1, 0}};  // 0: r
+  for (const auto& lay : layouts) {
+    const int nr = static_cast<int>(lay.size());
+    const auto unr = static_cast<std::size_t>(nr);
+    const float* rows[4];
+    for (int i = 0; i < nr; ++i) rows[i] = lay[static_cast<std::size_t>(i)] == 0 ? r : rev.data();
+    std::vector<int32_t> sel2(unr * uk, -1);
+    std::vector<float> vals2(unr * uk), lo2(unr * unc), hi2(unr * unc);
+    bool ok2[4] = {false, false, false, false};
+    EXPECT_TRUE(kvq::detail::isolate_rows_lean_rt(nr, rows, D, gc, k, sel2.data(), vals2.data(),
+                                                  lo2.data(), hi2.data(), nc, sc, ok2));
+    int first_rev = -1;
+    for (int i = 0; i < nr; ++i) {
+      SCOPED_TRACE(::testing::Message() << "rows " << nr << " slot " << i);
+      EXPECT_TRUE(ok2[i]);
+      const auto ui = static_cast<std::size_t>(i);
+      if (lay[ui] == 0) {
+        EXPECT_TRUE(std::equal(sel, sel + k, sel2.begin() + static_cast<std::ptrdiff_t>(ui * uk)));
+        EXPECT_TRUE(same_bits(vals, vals2.data() + ui * uk, uk));
+        EXPECT_TRUE(same_bits(lo, lo2.data() + ui * unc, unc));
+        EXPECT_TRUE(same_bits(hi, hi2.data() + ui * unc, unc));
+      } else if (first_rev < 0) {
+        first_rev = i;
+      } else {
+        const auto uf = static_cast<std::size_t>(first_rev);
+        EXPECT_TRUE(std::equal(sel2.begin() + static_cast<std::ptrdiff_t>(uf * uk),
+                               sel2.begin() + static_cast<std::ptrdiff_t>(uf * uk + uk),
+                               sel2.begin() + static_cast<std::ptrdiff_t>(ui * uk)));
+        EXPECT_TRUE(same_bits(vals2.data() + uf * uk, vals2.data() + ui * uk, uk));
+        EXPECT_TRUE(same_bits(lo2.data() + uf * unc, lo2.data() + ui * unc, unc));
+        EXPECT_TRUE(same_bits(hi2.data() + uf * unc, hi2.data() + ui * unc, unc));
+      }
+    }
   }
-  EXPECT_TRUE(std::equal(sel2[0].begin() + static_cast<std::ptrdiff_t>(uk), sel2[0].end(), sel2[1].begin()));
-  EXPECT_TRUE(same_bits(vals2[0].data() + uk, vals2[1].data(), uk));
-  EXPECT_TRUE(same_bits(lo2[0].data() + unc, lo2[1].data(), unc));
-  EXPECT_TRUE(same_bits(hi2[0].data() + unc, hi2[1].data(), unc));
   return ran;
 }
 

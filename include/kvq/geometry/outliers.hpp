@@ -148,6 +148,10 @@ inline bool isolate_row_scalar(const float* r, int64_t D, int64_t gc, int64_t k,
   return true;
 }
 
+/// Rows the fused token-axis quantizer has in flight, and the most isolate_rows_lean_rt takes
+/// at a time (AVX2).
+inline constexpr int kLeanRows = 4;
+
 #if KVQ_HAS_AVX2
 /// Largest k the AVX2 row path selects (one vectorized argmax per outlier beyond 4).
 inline constexpr int64_t kRowTopKAvx2 = 16;
@@ -809,34 +813,57 @@ inline bool with_lean_instance(int64_t D, int64_t gc, int64_t k, F&& f) {
   }
 }
 
-/// isolate_rows_lean for nr = 1 or 2 rows (row i's outputs at sel + i k, vals + i k, lo + i
-/// gstride, hi + i gstride) and a group size and k known at run time (D % gc == 0): false
-/// (nothing done) when with_lean_instance has none, else true with ok[i] = false where row i
-/// holds NaN or inf.
+/// isolate_rows_lean for nr = 1 .. kLeanRows rows (row i's outputs at sel + i k, vals + i k,
+/// lo + i gstride, hi + i gstride) and a group size and k known at run time (D % gc == 0):
+/// false (nothing done) when with_lean_instance has none, else true with ok[i] = false where
+/// row i holds NaN or inf. The common head_dims 64, 128 and 256 run four rows at a time with
+/// the group count fixed at compile time (the four rows' latency chains overlap; the loops over
+/// groups unroll): fewer rows go through the same instance with the last row repeated, into
+/// local outputs. Other head_dims run pairs (and a single row) with the group count at run time.
 inline bool isolate_rows_lean_rt(int nr, const float* const* rs, int64_t D, int64_t gc, int64_t k,
                                  int32_t* sel, float* vals, float* lo, float* hi, int64_t gstride,
                                  OutlierScratch& sc, bool* ok) {
-  if (nr < 1 || nr > 2) return false;
+  if (nr < 1 || nr > kLeanRows) return false;
   return with_lean_instance(D, gc, k, [&](auto nv, auto kk) {
     constexpr int NV = decltype(nv)::value, K = decltype(kk)::value;
-    if (nr == 1) return isolate_rows_lean<NV, K, 1>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
-    // Pairs of the common head_dims 64, 128 and 256 with the group count fixed at compile time
-    // (about 30% fewer instructions than the run-time count); other head_dims at run time.
     auto fixed = [&](auto ncc) {
       constexpr int NC = decltype(ncc)::value;
       constexpr int64_t Dc = int64_t{NC} * 8 * NV;
       if constexpr (Dc == 64 || Dc == 128 || Dc == 256) {
-        if (D == Dc) {
-          isolate_rows_lean<NV, K, 2, NC>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
+        if (D != Dc) return false;
+        if (nr == kLeanRows) {
+          isolate_rows_lean<NV, K, kLeanRows, NC>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
           return true;
         }
+        const float* r4[kLeanRows];
+        for (int i = 0; i < kLeanRows; ++i) r4[i] = rs[i < nr ? i : nr - 1];
+        int32_t s4[kLeanRows * K];
+        float v4[kLeanRows * K], l4[kLeanRows * NC], h4[kLeanRows * NC];
+        bool ok4[kLeanRows];
+        isolate_rows_lean<NV, K, kLeanRows, NC>(r4, D, s4, v4, l4, h4, NC, sc, ok4);
+        for (int i = 0; i < nr; ++i) {
+          std::memcpy(sel + i * K, s4 + i * K, K * sizeof(int32_t));
+          std::memcpy(vals + i * K, v4 + i * K, K * sizeof(float));
+          std::memcpy(lo + i * gstride, l4 + i * NC, NC * sizeof(float));
+          std::memcpy(hi + i * gstride, h4 + i * NC, NC * sizeof(float));
+          ok[i] = ok4[i];
+        }
+        return true;
+      } else {
+        return false;
       }
-      return false;
     };
     if (fixed(std::integral_constant<int, 1>{}) || fixed(std::integral_constant<int, 2>{}) ||
         fixed(std::integral_constant<int, 4>{}) || fixed(std::integral_constant<int, 8>{}))
       return;
-    isolate_rows_lean<NV, K, 2>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
+    for (int i = 0; i < nr; i += 2) {
+      if (nr - i >= 2)
+        isolate_rows_lean<NV, K, 2>(rs + i, D, sel + i * K, vals + i * K, lo + i * gstride,
+                                    hi + i * gstride, gstride, sc, ok + i);
+      else
+        isolate_rows_lean<NV, K, 1>(rs + i, D, sel + i * K, vals + i * K, lo + i * gstride,
+                                    hi + i * gstride, gstride, sc, ok + i);
+    }
   });
 }
 

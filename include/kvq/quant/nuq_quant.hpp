@@ -6,9 +6,10 @@
 /// codebook (format/nuq.hpp). Same metadata regions as asymmetric int (one scale and one zero
 /// per group box) and the same b-bit bitstream; the codebook itself is per-layer metadata in
 /// the config. reference/nuq_ref.hpp is the scalar oracle (identical bytes). Encoding counts the
-/// thresholds <= u, 16 lanes (AVX-512) or 8 (AVX2) at a time, scalar otherwise. With AVX2 the
-/// token axis (groups a multiple of 8 channels) runs one vector at a time with the codes packed
-/// 64 at a time (quantize_nuq_rows).
+/// thresholds <= u, 16 lanes (AVX-512) or 8 (AVX2) at a time, scalar otherwise. With AVX2 + F16C
+/// the token axis (groups a multiple of 8 channels) runs one vector at a time
+/// (quantize_nuq_rows): group ranges and parameters 8 groups at a time in registers, codes found
+/// by a binary search over the thresholds (NuqSearch8) and packed 32 at a time.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

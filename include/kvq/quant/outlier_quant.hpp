@@ -21,8 +21,8 @@
 /// vector (quantize_outlier_rows): load, statistics, top-k, dense range, encode and pack while
 /// the row is in L1 (AVX2: geometry/outliers.hpp's isolate_row_avx2, 8-lane int encode with
 /// the codes packed 8 at a time; portable scalar otherwise). Its lean path (int and nuq, group
-/// 32, 64 or 128, k <= 4: the common KVQuant settings) isolates two vectors at a time with
-/// isolate_rows_lean (float statistics with a proven error bound, no dense row written) and
+/// 32, 64 or 128, k <= 4: the common KVQuant settings) isolates four vectors at a time with
+/// isolate_rows_lean (head_dim 64, 128, 256: the group count fixed at compile time; float statistics with a proven error bound, no dense row written) and
 /// encodes straight from the input, every entry clamped to its group's dense range in code
 /// space (lean_codes), which is what encoding the dense row gives, bit for bit. Token-spanning axes (channel, head,
 /// tensor with a token group) are isolated and quantized one slab of whole token blocks at a
@@ -221,9 +221,9 @@ inline void lean_codes(const Codec& codec, int bits, int64_t gc, const float* r,
 #endif
 
 /// The fused token-axis path (see the file comment): every vector of x is isolated
-/// (isolate_row), checked, encoded with `codec` (bits-wide codes) and written to q. Two vectors
-/// are in flight at a time (isolation of both, then parameters of both, then encoding of both)
-/// so the latency chains of one (sums, sqrt, divisions) overlap the other's. Errors are thrown
+/// (isolate_row), checked, encoded with `codec` (bits-wide codes) and written to q. Four vectors
+/// (kLeanRows) are in flight at a time (isolation of all, then their parameters, then their
+/// encoding) so their latency chains (sums, sqrt, divisions, the threshold) overlap. Errors are thrown
 /// as found (quantize_with_outliers reruns the whole-tensor path to report them in its order).
 template <class Codec, class T>
 void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits, int64_t k,
@@ -234,7 +234,7 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
   const GroupBox box = group_box(Axis::kToken, cfg.group, s);
   const int64_t H = s.heads, D = s.head_dim, gc = box.gc, nc = box.nc, V = s.tokens * H;
   q.codes[packed_bytes(static_cast<std::size_t>(n), bits) - 1] = 0;  // unused trailing bits
-  constexpr int R = 2;  // vectors in flight
+  constexpr int R = kLeanRows;  // vectors in flight (4)
   // per-group arrays: 8 lanes at least, a multiple of 8
   const int64_t np = (std::max<int64_t>(nc, 8) + 7) / 8 * 8;
   const auto uD = static_cast<std::size_t>(D), unp = static_cast<std::size_t>(np);
