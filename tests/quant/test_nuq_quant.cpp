@@ -31,6 +31,27 @@ kvq::QuantConfig nuq_cfg(int bits, kvq::Axis axis, int64_t group) {
   return c;
 }
 
+// The quantizer's bytes (codes, scales, zeros) against the oracle's.
+void expect_matches_oracle(const kvq::QuantConfig& cfg, const kvq::KVView<const float>& xv) {
+  const kvq::QTensor ref = kvq::reference::quantize_nuq(cfg, xv);
+  const kvq::QTensor fast = kvq::quantize(cfg, xv);
+  EXPECT_EQ(fast.codes, ref.codes);
+  EXPECT_EQ(fast.scales.raw(), ref.scales.raw());
+  EXPECT_EQ(fast.zeros.raw(), ref.zeros.raw());
+}
+
+// Quantizing x (shape s) under cfg throws `kind` with `what` in its message.
+void expect_error(const kvq::QuantConfig& cfg, const std::vector<float>& x, const kvq::Shape& s,
+                  kvq::ErrorKind kind, const std::string& what) {
+  try {
+    kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s));
+    ADD_FAILURE() << "no throw, expected: " << what;
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.kind(), kind);
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
+}
+
 struct Case {
   int bits;
   kvq::Axis axis;
@@ -97,13 +118,7 @@ TEST(NuqQuant, NeedsCalibration) {
   cfg.nuq_ready = false;
   const kvq::Shape s{2, 1, 32};
   std::vector<float> x(static_cast<std::size_t>(s.numel()), 1.f);
-  try {
-    kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s));
-    FAIL() << "no throw";
-  } catch (const kvq::Error& e) {
-    EXPECT_EQ(e.kind(), kvq::ErrorKind::kInvalidArgument);
-    EXPECT_NE(std::string(e.what()).find("calibrat"), std::string::npos) << e.what();
-  }
+  expect_error(cfg, x, s, kvq::ErrorKind::kInvalidArgument, "calibrat");
   cfg = nuq_cfg(3, kvq::Axis::kToken, 32);
   cfg.nuq_levels[3] = cfg.nuq_levels[2];  // not ascending
   EXPECT_THROW(kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s)), kvq::Error);
@@ -135,11 +150,8 @@ TEST(NuqQuant, TokenRowsMatchOracle) {
           for (std::size_t i = 0; i < x.size(); i += 23) x[i] = 0.5f;  // ties with thresholds' inputs
           SCOPED_TRACE(cfg.name() + " " + s.str());
           const kvq::KVView<const float> xv(x.data(), s);
+          expect_matches_oracle(cfg, xv);
           const kvq::QTensor ref = kvq::reference::quantize_nuq(cfg, xv);
-          const kvq::QTensor fast = kvq::quantize(cfg, xv);
-          EXPECT_EQ(fast.codes, ref.codes);
-          EXPECT_EQ(fast.scales.raw(), ref.scales.raw());
-          EXPECT_EQ(fast.zeros.raw(), ref.zeros.raw());
           std::vector<kvq::f16> xh(x.size());
           kvq::convert(x.data(), xh.data(), x.size());
           const kvq::KVView<const kvq::f16> hv(xh.data(), s);
@@ -156,22 +168,10 @@ TEST(NuqQuant, TokenRowsMatchOracle) {
   const kvq::Shape s{4, 2, 64};
   auto x = kvq_test::kv_data(s, 2, false);
   x[(2 * 2 + 1) * 64 + 9] = INFINITY;
-  try {
-    kvq::quantize(nuq_cfg(3, kvq::Axis::kToken, 32), kvq::KVView<const float>(x.data(), s));
-    FAIL() << "no throw";
-  } catch (const kvq::Error& e) {
-    EXPECT_EQ(e.kind(), kvq::ErrorKind::kNonFinite);
-    EXPECT_NE(std::string(e.what()).find("token=2, head=1, channel=9"), std::string::npos) << e.what();
-  }
+  expect_error(nuq_cfg(3, kvq::Axis::kToken, 32), x, s, kvq::ErrorKind::kNonFinite, "token=2, head=1, channel=9");
   x[(2 * 2 + 1) * 64 + 9] = 1.f;
   x[(1 * 2 + 0) * 64 + 40] = -1e6f;  // group 3 of vector 2: zero point beyond fp16
-  try {
-    kvq::quantize(nuq_cfg(3, kvq::Axis::kToken, 32), kvq::KVView<const float>(x.data(), s));
-    FAIL() << "no throw";
-  } catch (const kvq::Error& e) {
-    EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
-    EXPECT_NE(std::string(e.what()).find("group 5"), std::string::npos) << e.what();
-  }
+  expect_error(nuq_cfg(3, kvq::Axis::kToken, 32), x, s, kvq::ErrorKind::kOutOfRange, "group 5");
 }
 
 // The per-token rows with groups the vectorized parameters handle 8 at a time: head_dims of
@@ -196,12 +196,7 @@ TEST(NuqQuant, TokenRowBatchesAndEdgeGroupsMatchOracle) {
           x[static_cast<std::size_t>(9 * D + d)] = d % 2 ? -0.f : 0.f;                // zeros
         }
         SCOPED_TRACE(cfg.name() + " " + s.str());
-        const kvq::KVView<const float> xv(x.data(), s);
-        const kvq::QTensor ref = kvq::reference::quantize_nuq(cfg, xv);
-        const kvq::QTensor fast = kvq::quantize(cfg, xv);
-        EXPECT_EQ(fast.codes, ref.codes);
-        EXPECT_EQ(fast.scales.raw(), ref.scales.raw());
-        EXPECT_EQ(fast.zeros.raw(), ref.zeros.raw());
+        expect_matches_oracle(cfg, kvq::KVView<const float>(x.data(), s));
       }
   // fp16 zero point overflow in group 1 of vector 0 and an inf in group 9 (second batch) of the
   // same vector: the overflow is reported, as the grouped driver reports it.
@@ -209,21 +204,9 @@ TEST(NuqQuant, TokenRowBatchesAndEdgeGroupsMatchOracle) {
   auto x = kvq_test::kv_data(s, 3, false);
   x[40] = -1e6f;
   x[9 * 32 + 3] = INFINITY;
-  try {
-    kvq::quantize(nuq_cfg(3, kvq::Axis::kToken, 32), kvq::KVView<const float>(x.data(), s));
-    FAIL() << "no throw";
-  } catch (const kvq::Error& e) {
-    EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
-    EXPECT_NE(std::string(e.what()).find("group 1 "), std::string::npos) << e.what();
-  }
+  expect_error(nuq_cfg(3, kvq::Axis::kToken, 32), x, s, kvq::ErrorKind::kOutOfRange, "group 1 ");
   x[40] = 1.f;  // now the inf, in the second batch, is the first error
-  try {
-    kvq::quantize(nuq_cfg(3, kvq::Axis::kToken, 32), kvq::KVView<const float>(x.data(), s));
-    FAIL() << "no throw";
-  } catch (const kvq::Error& e) {
-    EXPECT_EQ(e.kind(), kvq::ErrorKind::kNonFinite);
-    EXPECT_NE(std::string(e.what()).find("channel=291"), std::string::npos) << e.what();
-  }
+  expect_error(nuq_cfg(3, kvq::Axis::kToken, 32), x, s, kvq::ErrorKind::kNonFinite, "channel=291");
 }
 
 }  // namespace
