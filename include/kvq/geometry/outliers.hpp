@@ -818,14 +818,16 @@ inline bool with_lean_instance(int64_t D, int64_t gc, int64_t k, F&& f) {
 /// false (nothing done) when with_lean_instance has none, else true with ok[i] = false where
 /// row i holds NaN or inf. The common head_dims 64, 128 and 256 run four rows at a time with
 /// the group count fixed at compile time (the four rows' latency chains overlap; the loops over
-/// groups unroll): fewer rows go through the same instance with the last row repeated, into
-/// local outputs. Other head_dims run pairs (and a single row) with the group count at run time.
+/// groups unroll): two or three rows go through the same instance with the last row repeated,
+/// into local outputs. A single row, and other head_dims (as pairs), run with the group count
+/// at run time.
 inline bool isolate_rows_lean_rt(int nr, const float* const* rs, int64_t D, int64_t gc, int64_t k,
                                  int32_t* sel, float* vals, float* lo, float* hi, int64_t gstride,
                                  OutlierScratch& sc, bool* ok) {
   if (nr < 1 || nr > kLeanRows) return false;
   return with_lean_instance(D, gc, k, [&](auto nv, auto kk) {
     constexpr int NV = decltype(nv)::value, K = decltype(kk)::value;
+    if (nr == 1) return isolate_rows_lean<NV, K, 1>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
     auto fixed = [&](auto ncc) {
       constexpr int NC = decltype(ncc)::value;
       constexpr int64_t Dc = int64_t{NC} * 8 * NV;
