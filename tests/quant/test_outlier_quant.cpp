@@ -514,9 +514,43 @@ TEST(OutlierRow, LeanIsolationMatchesOracle) {
   EXPECT_FALSE(ok);
 }
 
+#if KVQ_HAS_F16C
+// lean_quad (four vectors per call) declines, for the caller's per-vector steps to report,
+// every block where one vector is not finite or holds an outlier fp16 cannot store, whichever
+// of the four it is; a block without either is encoded.
+TEST(OutlierQuant, LeanQuadDeclinesBadBlocks) {
+  const kvq::Shape s{4, 1, 64};
+  const auto cfg = make(kvq::Format::kInt, 3, kvq::Axis::kToken, 32, 1);
+  const kvq::detail::IntCodec codec(cfg);
+  const auto fn = kvq::detail::lean_quad_for<kvq::detail::IntCodec>(64, 32, 1);
+  ASSERT_NE(fn, nullptr);
+  kvq::OutlierScratch sc;
+  for (int bad = -1; bad < 3; ++bad)
+    for (int p = 0; p < 4; ++p) {
+      std::vector<float> x = kvq_test::kv_data(s, 5, false);
+      const float v[] = {NAN, INFINITY, -1e6f};
+      if (bad >= 0) x[static_cast<std::size_t>(p * 64 + 17)] = v[bad];
+      std::vector<uint8_t> codes(4 * 24), scales(4 * 2 * 2), zeros(4 * 2 * 2), ov(4 * 2), op(4);
+      const float* rows[4] = {&x[0], &x[64], &x[128], &x[192]};
+      const kvq::detail::LeanQuadOut o{codes.data(), scales.data(), zeros.data(), ov.data(), op.data()};
+      EXPECT_EQ(fn(codec, 3, rows, o, sc), bad < 0) << bad << " in vector " << p;
+      if (bad < 0) {  // the oracle's bytes
+        const kvq::QTensor ref = kvq::reference::quantize_with_outliers(cfg, kvq::KVView<const float>(x.data(), s));
+        EXPECT_EQ(codes, ref.codes);
+        EXPECT_EQ(scales, ref.scales.raw());
+        EXPECT_EQ(zeros, ref.zeros.raw());
+        EXPECT_EQ(ov, ref.outlier_values);
+        EXPECT_EQ(op, ref.outlier_pos);
+      }
+    }
+}
+#endif
+
 // The fused lean path's bytes (codes clamped to the dense ranges in code space, no dense row)
 // against the oracle: int 2/3/4/8 bits symmetric and not, nuq 2/3/4, fp16 and f32 metadata,
-// groups 32/64/128, k 1..4, continuous data with planted outliers and coarse data with ties.
+// groups 32/64/128, k 1..4, continuous data with planted outliers and coarse data with ties;
+// head_dim 64, 128 and 256 (four vectors per lean_quad call: 15 vectors = three calls and
+// three vectors through the per-vector steps) and 96 (per-vector steps only).
 TEST(OutlierQuant, LeanFusedPathMatchesOracle) {
   const DenseFmt fmts[] = {{kvq::Format::kInt, 2, false, kvq::MetaDType::kF16},
                     {kvq::Format::kInt, 3, false, kvq::MetaDType::kF16},
@@ -530,43 +564,48 @@ TEST(OutlierQuant, LeanFusedPathMatchesOracle) {
   int cases = 0;
   for (const DenseFmt& f : fmts)
     for (int64_t gc : {32, 64, 128})
-      for (int k = 1; k <= 4; ++k) {
-        const kvq::Shape s{5, 3, gc == 32 ? 96 : 256};  // 15 vectors: pairs and a single
-        kvq::QuantConfig cfg = make(f.f, f.bits, kvq::Axis::kToken, gc, k);
-        cfg.symmetric = f.sym;
-        cfg.meta = f.meta;
-        if (f.f == kvq::Format::kNuq) {  // thresholds just inside [0, 1]: the u clamp matters
-          const int n = 1 << f.bits;
-          for (int i = 0; i < n; ++i)
-            cfg.nuq_levels[static_cast<std::size_t>(i)] =
-                i == 0 ? 0.f : i == n - 1 ? 1.f : i == 1 ? 4e-4f : i == n - 2 ? 1.f - 4e-4f
-                                                   : static_cast<float>(i) / static_cast<float>(n - 1);
+      for (int64_t D : {64, 96, 128, 256})
+        for (int k = 1; k <= 4; ++k) {
+          if (D % gc != 0) continue;
+          const kvq::Shape s{5, 3, D};  // 15 vectors
+          kvq::QuantConfig cfg = make(f.f, f.bits, kvq::Axis::kToken, gc, k);
+          cfg.symmetric = f.sym;
+          cfg.meta = f.meta;
+          if (f.f == kvq::Format::kNuq) {  // thresholds just inside [0, 1]: the u clamp matters
+            const int n = 1 << f.bits;
+            for (int i = 0; i < n; ++i)
+              cfg.nuq_levels[static_cast<std::size_t>(i)] =
+                  i == 0       ? 0.f
+                  : i == n - 1 ? 1.f
+                  : i == 1     ? 4e-4f
+                  : i == n - 2 ? 1.f - 4e-4f
+                               : static_cast<float>(i) / static_cast<float>(n - 1);
+          }
+          SCOPED_TRACE(cfg.name() + " " + s.str());
+          std::vector<float> x = kvq_test::kv_data(s, 11 + static_cast<uint32_t>(k), true);
+          for (std::size_t i = 5; i < x.size(); i += 53) x[i] *= 25.f;  // selected, clamped
+          for (std::size_t i = 0; i < x.size(); i += 61) x[i] = i % 122 ? 0.f : -0.f;
+          // 0: as drawn; 1: coarse (ties); 2: a large offset against a small spread, where the
+          // fp16 zero point's rounding moves a group's dense range off codes 0 / qmax, so a
+          // clamped outlier's code differs from its unclamped one.
+          for (int coarse = 0; coarse < 3; ++coarse) {
+            std::vector<float> xc = x;
+            if (coarse == 1)
+              for (float& v : xc) v = std::round(std::fmod(v, 3.f));
+            if (coarse == 2)
+              for (float& v : xc) v = 300.f + 0.02f * v;
+            const kvq::KVView<const float> xv(xc.data(), s);
+            const kvq::QTensor ref = kvq::reference::quantize_with_outliers(cfg, xv);
+            const kvq::QTensor q = kvq::quantize(cfg, xv);
+            EXPECT_EQ(q.codes, ref.codes) << coarse;
+            EXPECT_EQ(q.scales.raw(), ref.scales.raw()) << coarse;
+            EXPECT_EQ(q.zeros.raw(), ref.zeros.raw()) << coarse;
+            EXPECT_EQ(q.outlier_values, ref.outlier_values) << coarse;
+            EXPECT_EQ(q.outlier_pos, ref.outlier_pos) << coarse;
+            ++cases;
+          }
         }
-        SCOPED_TRACE(cfg.name() + " " + s.str());
-        std::vector<float> x = kvq_test::kv_data(s, 11 + static_cast<uint32_t>(k), true);
-        for (std::size_t i = 5; i < x.size(); i += 53) x[i] *= 25.f;  // selected, clamped
-        for (std::size_t i = 0; i < x.size(); i += 61) x[i] = i % 122 ? 0.f : -0.f;
-        // 0: as drawn; 1: coarse (ties); 2: a large offset against a small spread, where the
-        // fp16 zero point's rounding moves a group's dense range off codes 0 / qmax, so a
-        // clamped outlier's code differs from its unclamped one.
-        for (int coarse = 0; coarse < 3; ++coarse) {
-          std::vector<float> xc = x;
-          if (coarse == 1)
-            for (float& v : xc) v = std::round(std::fmod(v, 3.f));
-          if (coarse == 2)
-            for (float& v : xc) v = 300.f + 0.02f * v;
-          const kvq::KVView<const float> xv(xc.data(), s);
-          const kvq::QTensor ref = kvq::reference::quantize_with_outliers(cfg, xv);
-          const kvq::QTensor q = kvq::quantize(cfg, xv);
-          EXPECT_EQ(q.codes, ref.codes) << coarse;
-          EXPECT_EQ(q.scales.raw(), ref.scales.raw()) << coarse;
-          EXPECT_EQ(q.zeros.raw(), ref.zeros.raw()) << coarse;
-          EXPECT_EQ(q.outlier_values, ref.outlier_values) << coarse;
-          EXPECT_EQ(q.outlier_pos, ref.outlier_pos) << coarse;
-          ++cases;
-        }
-      }
-  EXPECT_EQ(cases, 9 * 3 * 4 * 3);
+  EXPECT_EQ(cases, 9 * (4 + 3 + 2) * 4 * 3);
 }
 #endif
 
@@ -733,6 +772,28 @@ TEST(OutlierQuant, ErrorOrderOfTheWholeTensorPath) {
     } catch (const kvq::Error& e) {
       EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
       EXPECT_NE(std::string(e.what()).find("metadata"), std::string::npos) << e.what();
+    }
+    // Each error alone, inside a block of four vectors (the token axis' lean_quad calls).
+    x = kvq_test::kv_data(s, 3, false);
+    x[at(3, 0, 9)] = -1e6f;  // vector 6
+    try {
+      kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s));
+      FAIL() << "no throw";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
+      EXPECT_NE(std::string(e.what()).find("outlier (token=3, head=0, channel=9)"),
+                std::string::npos)
+          << e.what();
+    }
+    x[at(3, 0, 9)] = 1.f;
+    x[at(5, 1, 3)] = -INFINITY;  // vector 11
+    try {
+      kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s));
+      FAIL() << "no throw";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.kind(), kvq::ErrorKind::kNonFinite) << e.what();
+      EXPECT_NE(std::string(e.what()).find("token=5, head=1, channel=3"), std::string::npos)
+          << e.what();
     }
   }
 }

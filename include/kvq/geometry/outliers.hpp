@@ -663,9 +663,9 @@ inline void isolate_rows_lean(const float* const* rs, int64_t D, int32_t* sel_, 
       const float* x = rs[i] + b * GC;
       const __m256 mv = _mm256_set1_ps(fm[i][b]);
       __m256 q0 = zero8, q1 = zero8;
-      for (int j = 0; j < NV; j += 2) {
-        const __m256 d0 = _mm256_sub_ps(_mm256_loadu_ps(x + 8 * j), mv);
-        const __m256 d1 = _mm256_sub_ps(_mm256_loadu_ps(x + 8 * j + 8), mv);
+      for (int j = 0; j < NV; j += 2) {  // c - x (= -(x - c) exactly): the load folds in
+        const __m256 d0 = _mm256_sub_ps(mv, _mm256_loadu_ps(x + 8 * j));
+        const __m256 d1 = _mm256_sub_ps(mv, _mm256_loadu_ps(x + 8 * j + 8));
         q0 = _mm256_fmadd_ps(d0, d0, q0);
         q1 = _mm256_fmadd_ps(d1, d1, q1);
       }
@@ -705,7 +705,7 @@ inline void isolate_rows_lean(const float* const* rs, int64_t D, int32_t* sel_, 
       const __m256 mf = _mm256_set1_ps(fm[i][b]), fiv = _mm256_set1_ps(fi[i][b]);
       for (int j = 0; j < NV; ++j) {
         const int64_t d = b * GC + 8 * j;
-        const __m256 a = _mm256_sub_ps(_mm256_loadu_ps(r + d), mf);
+        const __m256 a = _mm256_sub_ps(mf, _mm256_loadu_ps(r + d));  // |c - x| = |x - c|
         const __m256 s8 = _mm256_mul_ps(_mm256_andnot_ps(sign_f, a), fiv);
         _mm256_storeu_ps(score + d, s8);
         top_k_insert<K>(top, s8);
@@ -715,12 +715,15 @@ inline void isolate_rows_lean(const float* const* rs, int64_t D, int32_t* sel_, 
   }
   const __m256 inf8 = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256 ninf8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  // A marked lane becomes a NaN (every bit but the sign set), which vminps / vmaxps skip when
-  // it is their first operand (they return the second when either is NaN).
-  const __m256 nan_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  uint64_t m[R][kRowMaskWords];  // the words a row uses are zeroed (not all: no rep stos)
-  for (int i = 0; i < nr; ++i)
-    for (int64_t w = 0; w < (D + 63) / 64; ++w) m[i][w] = 0;
+  // A marked lane becomes a NaN, which vminps / vmaxps skip when it is their first operand
+  // (they return the second when either is NaN). The compares give the unmarked lanes (th > s',
+  // the complement of s' >= th as scores are not NaN) so that both loads fold in.
+  const __m256 nan8 = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  // The unmarked lanes of 32 channels (four compare masks) as 32 bits in channel order: two
+  // signed packs to bytes (dwords a0-3 b0-3 c0-3 d0-3 a4-7 b4-7 c4-7 d4-7), reordered, one byte
+  // movemask; the marks are their complement.
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  uint64_t m[R][kRowMaskWords];  // the words a row uses (each written by its even chunk first)
   for (int i = 0; i < nr; ++i) {
     const float* r = rs[i];
     const float* score = score_ + i * D;
@@ -729,22 +732,25 @@ inline void isolate_rows_lean(const float* const* rs, int64_t D, int32_t* sel_, 
     __m256 lpart[kMaxGroups], hpart[kMaxGroups];
     for (int64_t b = 0; b < nc; ++b) {
       __m256 l8 = inf8, h8 = ninf8;
-      uint64_t acc = 0;  // selection bits of channels b * GC + 64 w .. + 64 (GC = 32: + 32)
-      for (int j = 0; j < NV; ++j) {
-        const int64_t d = b * GC + 8 * j;
-        const __m256 mk = _mm256_cmp_ps(_mm256_loadu_ps(score + d), th8[i], _CMP_GE_OQ);
-        acc |= static_cast<uint64_t>(static_cast<unsigned>(_mm256_movemask_ps(mk))) << (8 * (j % 8));
-        const __m256 v = _mm256_or_ps(_mm256_loadu_ps(r + d), _mm256_and_ps(mk, nan_bits));
-        l8 = _mm256_min_ps(v, l8);
-        h8 = _mm256_max_ps(v, h8);
-        if constexpr (GC >= 64) {
-          if (j % 8 == 7) {
-            m[i][(b * GC) / 64 + j / 8] = acc;
-            acc = 0;
-          }
+      for (int c = 0; c < NV / 4; ++c) {  // 32-channel chunks (GC is a multiple of 32)
+        const int64_t d0 = b * GC + 32 * c;
+        __m256i mk[4];
+        for (int j = 0; j < 4; ++j) {
+          const __m256 keep = _mm256_cmp_ps(th8[i], _mm256_loadu_ps(score + d0 + 8 * j), _CMP_GT_OQ);
+          mk[j] = _mm256_castps_si256(keep);
+          const __m256 v = _mm256_blendv_ps(nan8, _mm256_loadu_ps(r + d0 + 8 * j), keep);
+          l8 = _mm256_min_ps(v, l8);
+          h8 = _mm256_max_ps(v, h8);
         }
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(mk[0], mk[1]), _mm256_packs_epi32(mk[2], mk[3]));
+        const auto bits = static_cast<uint64_t>(
+            ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_permutevar8x32_epi32(p, order))));
+        const int64_t ch = d0 / 32;
+        if (ch & 1)
+          m[i][ch >> 1] |= bits << 32;
+        else
+          m[i][ch >> 1] = bits;
       }
-      if constexpr (GC == 32) m[i][b >> 1] |= acc << (32 * (b & 1));
       lpart[b] = l8;
       hpart[b] = h8;
     }

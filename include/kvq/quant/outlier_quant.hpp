@@ -106,18 +106,24 @@ __attribute__((always_inline)) inline __m256i int_codes8(const float* x, __m256 
 /// each are written; lanes >= n are junk). False when a lane's zero or scale is not finite in
 /// the metadata type (the scalar params() then throws, naming the group).
 template <class Codec>
-inline bool dense_params8(const Codec& c, const float* lo, const float* hi, int n, float* z,
-                          float* s, float* inv) {
-  const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  __m256 Z, S, I;
+__attribute__((always_inline)) inline bool dense_params8(const Codec& c, __m256 L, __m256 Hv, int n,
+                                                         __m256& Z, __m256& S, __m256& I) {
   bool symmetric = false;
   float qdiv = 1.f;  // nuq: u = (x - zero) / scale, scale = max - min
   if constexpr (std::is_same_v<Codec, IntCodec>) {
     symmetric = c.symmetric;
     qdiv = static_cast<float>((1 << c.bits) - 1);
   }
-  if (!kernels::group_params8(_mm256_maskload_ps(lo, lanes), _mm256_maskload_ps(hi, lanes), n,
-                              symmetric, c.bits, qdiv, c.meta == MetaDType::kF16, Z, S, I))
+  return kernels::group_params8(L, Hv, n, symmetric, c.bits, qdiv, c.meta == MetaDType::kF16, Z, S, I);
+}
+
+/// dense_params8 from lo[0..n), hi[0..n) into z, s, inv.
+template <class Codec>
+inline bool dense_params8(const Codec& c, const float* lo, const float* hi, int n, float* z,
+                          float* s, float* inv) {
+  const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256 Z, S, I;
+  if (!dense_params8(c, _mm256_maskload_ps(lo, lanes), _mm256_maskload_ps(hi, lanes), n, Z, S, I))
     return false;
   _mm256_storeu_ps(z, Z);  // all 8 lanes (the caller's arrays hold 8)
   _mm256_storeu_ps(s, S);
@@ -134,7 +140,7 @@ inline bool dense_params8(const Codec& c, const float* lo, const float* hi, int 
 /// group's [lo, hi]; the encoding f (int: fma(x - z, inv, off); nuq: (x - z) * inv) rounds
 /// monotonically, so f(clamp(x, lo, hi)) = clamp(f(x), min(f(lo), f(hi)), max(f(lo), f(hi)))
 /// exactly. Int: the codes' clamp to [0, qmax] and this one merge into one clamp to
-/// [ca_g, cb_g] (lean_int_bounds); nuq: u is clamped to [ca_g, cb_g] before the thresholds.
+/// [ca_g, cb_g] (lean_bounds8); nuq: u is clamped to [ca_g, cb_g] before the thresholds.
 template <int NV, int B, class Code8>
 __attribute__((always_inline)) inline void lean_row_codes(const float* r, int64_t D, uint8_t* out,
                                                           Code8&& code8) {
@@ -150,31 +156,78 @@ __attribute__((always_inline)) inline void lean_row_codes(const float* r, int64_
     }
 }
 
-/// Per group (8 at a time; arrays padded to a multiple of 8) the int code bounds of the lean
-/// path: ca = clamp(min(f(lo), f(hi)), 0, qmax), cb = clamp(max(f(lo), f(hi)), 0, qmax), so
-/// min(max(f(x), ca), cb) = clamp(f(clamp(x, lo, hi)), 0, qmax), int_codes8 of the dense value.
-inline void lean_int_bounds(const IntCodec& c, int64_t nc, const float* lo, const float* hi,
-                            const float* z, const float* inv, float* ca, float* cb) {
-  const __m256 off = _mm256_set1_ps(c.lv.off), qmax = _mm256_set1_ps(c.lv.qmax);
-  const __m256 zero = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nc; b += 8) {
-    const __m256 Z = _mm256_loadu_ps(z + b), I = _mm256_loadu_ps(inv + b);
-    const __m256 fl = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_loadu_ps(lo + b), Z), I, off);
-    const __m256 fh = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_loadu_ps(hi + b), Z), I, off);
-    _mm256_storeu_ps(ca + b, _mm256_min_ps(_mm256_max_ps(_mm256_min_ps(fl, fh), zero), qmax));
-    _mm256_storeu_ps(cb + b, _mm256_min_ps(_mm256_max_ps(_mm256_max_ps(fl, fh), zero), qmax));
+/// The code bounds of the lean path for 8 groups (lane b = group b) whose dense ranges are
+/// [L, Hv] and parameters Z, I. Int: ca = clamp(min(f(lo), f(hi)), 0, qmax), cb =
+/// clamp(max(f(lo), f(hi)), 0, qmax), f(x) = fma(x - z, inv, off), so min(max(f(x), ca), cb) =
+/// clamp(f(clamp(x, lo, hi)), 0, qmax), int_codes8 of the dense value. Nuq: [min(u(lo),
+/// u(hi)), max(u(lo), u(hi))], u(x) = (x - z) * inv.
+template <class Codec>
+__attribute__((always_inline)) inline void lean_bounds8(const Codec& c, __m256 L, __m256 Hv, __m256 Z,
+                                                        __m256 I, __m256& CA, __m256& CB) {
+  if constexpr (std::is_same_v<Codec, IntCodec>) {
+    const __m256 off = _mm256_set1_ps(c.lv.off), qmax = _mm256_set1_ps(c.lv.qmax);
+    const __m256 zero = _mm256_setzero_ps();
+    const __m256 fl = _mm256_fmadd_ps(_mm256_sub_ps(L, Z), I, off);
+    const __m256 fh = _mm256_fmadd_ps(_mm256_sub_ps(Hv, Z), I, off);
+    CA = _mm256_min_ps(_mm256_max_ps(_mm256_min_ps(fl, fh), zero), qmax);
+    CB = _mm256_min_ps(_mm256_max_ps(_mm256_max_ps(fl, fh), zero), qmax);
+  } else {
+    (void)c;
+    const __m256 ul = _mm256_mul_ps(_mm256_sub_ps(L, Z), I);
+    const __m256 uh = _mm256_mul_ps(_mm256_sub_ps(Hv, Z), I);
+    CA = _mm256_min_ps(ul, uh);
+    CB = _mm256_max_ps(ul, uh);
   }
 }
 
-/// The nuq bounds of the lean path: [min(u(lo), u(hi)), max(u(lo), u(hi))], u(x) = (x - z) * inv.
-inline void lean_nuq_bounds(int64_t nc, const float* lo, const float* hi, const float* z,
-                            const float* inv, float* ca, float* cb) {
+/// lean_bounds8 over nc groups (arrays padded to a multiple of 8).
+template <class Codec>
+inline void lean_bounds(const Codec& c, int64_t nc, const float* lo, const float* hi,
+                        const float* z, const float* inv, float* ca, float* cb) {
   for (int64_t b = 0; b < nc; b += 8) {
-    const __m256 Z = _mm256_loadu_ps(z + b), I = _mm256_loadu_ps(inv + b);
-    const __m256 ul = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(lo + b), Z), I);
-    const __m256 uh = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(hi + b), Z), I);
-    _mm256_storeu_ps(ca + b, _mm256_min_ps(ul, uh));
-    _mm256_storeu_ps(cb + b, _mm256_max_ps(ul, uh));
+    __m256 CA, CB;
+    lean_bounds8(c, _mm256_loadu_ps(lo + b), _mm256_loadu_ps(hi + b), _mm256_loadu_ps(z + b),
+                 _mm256_loadu_ps(inv + b), CA, CB);
+    _mm256_storeu_ps(ca + b, CA);
+    _mm256_storeu_ps(cb + b, CB);
+  }
+}
+
+/// The lean path's codes of one row (lean_row_codes) for group size 8 NV and B-bit codes of
+/// `codec`, the per-group parameters z, inv and code bounds ca, cb.
+template <int NV, int B, class Codec>
+__attribute__((always_inline)) inline void lean_codes_nb(const Codec& codec, const float* r, int64_t D,
+                                                         const float* z, const float* inv,
+                                                         const float* ca, const float* cb,
+                                                         uint8_t* out) {
+  if constexpr (std::is_same_v<Codec, IntCodec>) {
+    const __m256 off = _mm256_set1_ps(codec.lv.off);
+    lean_row_codes<NV, B>(r, D, out, [&](const float* x, int64_t b) __attribute__((always_inline)) {
+      const __m256 v = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_loadu_ps(x), _mm256_broadcast_ss(z + b)),
+                                       _mm256_broadcast_ss(inv + b), off);
+      return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, _mm256_broadcast_ss(ca + b)),
+                                              _mm256_broadcast_ss(cb + b)));
+    });
+  } else {
+    const NuqSearch8<B> search(codec.thr);
+    lean_row_codes<NV, B>(r, D, out, [&](const float* x, int64_t b) __attribute__((always_inline)) {
+      const __m256 u = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), _mm256_broadcast_ss(z + b)),
+                                     _mm256_broadcast_ss(inv + b));
+      return search(_mm256_min_ps(_mm256_max_ps(u, _mm256_broadcast_ss(ca + b)), _mm256_broadcast_ss(cb + b)));
+    });
+  }
+}
+
+/// Calls f(std::integral_constant<int, B>) for the code width `bits` of Codec (int 2, 3, 4, 8;
+/// nuq 2, 3, 4).
+template <class Codec, class F>
+__attribute__((always_inline)) inline void with_code_bits(int bits, F&& f) {
+  switch (bits) {
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default:
+      if constexpr (std::is_same_v<Codec, IntCodec>) return f(std::integral_constant<int, 8>{});
   }
 }
 
@@ -183,33 +236,11 @@ template <class Codec>
 inline void lean_codes(const Codec& codec, int bits, int64_t gc, const float* r, int64_t D,
                        const float* z, const float* inv, const float* ca, const float* cb,
                        uint8_t* out) {
-  auto run = [&](auto nv, auto bb) __attribute__((always_inline)) {
-    constexpr int NV = decltype(nv)::value, B = decltype(bb)::value;
-    if constexpr (std::is_same_v<Codec, IntCodec>) {
-      const __m256 off = _mm256_set1_ps(codec.lv.off);
-      lean_row_codes<NV, B>(r, D, out, [&](const float* x, int64_t b) __attribute__((always_inline)) {
-        const __m256 v = _mm256_fmadd_ps(_mm256_sub_ps(_mm256_loadu_ps(x), _mm256_broadcast_ss(z + b)),
-                                         _mm256_broadcast_ss(inv + b), off);
-        return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, _mm256_broadcast_ss(ca + b)),
-                                                _mm256_broadcast_ss(cb + b)));
-      });
-    } else {
-      const NuqSearch8<B> search(codec.thr);
-      lean_row_codes<NV, B>(r, D, out, [&](const float* x, int64_t b) __attribute__((always_inline)) {
-        const __m256 u = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x), _mm256_broadcast_ss(z + b)),
-                                       _mm256_broadcast_ss(inv + b));
-        return search(_mm256_min_ps(_mm256_max_ps(u, _mm256_broadcast_ss(ca + b)), _mm256_broadcast_ss(cb + b)));
-      });
-    }
-  };
   auto by_bits = [&](auto nv) __attribute__((always_inline)) {
-    switch (bits) {
-      case 2: return run(nv, std::integral_constant<int, 2>{});
-      case 3: return run(nv, std::integral_constant<int, 3>{});
-      case 4: return run(nv, std::integral_constant<int, 4>{});
-      default:
-        if constexpr (std::is_same_v<Codec, IntCodec>) return run(nv, std::integral_constant<int, 8>{});
-    }
+    constexpr int NV = decltype(nv)::value;
+    with_code_bits<Codec>(bits, [&](auto bb) __attribute__((always_inline)) {
+      lean_codes_nb<NV, decltype(bb)::value>(codec, r, D, z, inv, ca, cb, out);
+    });
   };
   switch (gc) {
     case 32: return by_bits(std::integral_constant<int, 4>{});
@@ -217,6 +248,111 @@ inline void lean_codes(const Codec& codec, int bits, int64_t gc, const float* r,
     default: return by_bits(std::integral_constant<int, 16>{});
   }
 }
+
+#if KVQ_HAS_F16C
+/// The lean path's codes of four consecutive vectors (row i's codes at out + i D bits / 8),
+/// head_dim NC * 8 NV fixed at compile time; per-group arrays of 8 floats per row.
+template <class Codec, int NV, int NC>
+__attribute__((noinline)) inline void lean_codes4(const Codec& codec, int bits, const float* const* rows,
+                                                  const float (*z)[8], const float (*inv)[8],
+                                                  const float (*ca)[8], const float (*cb)[8],
+                                                  uint8_t* out) {
+  constexpr int64_t D = int64_t{NC} * 8 * NV;
+  with_code_bits<Codec>(bits, [&](auto bb) __attribute__((always_inline)) {
+    constexpr int B = decltype(bb)::value;
+    for (int i = 0; i < kLeanRows; ++i)
+      lean_codes_nb<NV, B>(codec, rows[i], D, z[i], inv[i], ca[i], cb[i], out + i * (D * B / 8));
+  });
+}
+
+/// What lean_quad writes to, besides its rows.
+struct LeanQuadOut {
+  uint8_t* codes;       // vector 0's codes
+  uint8_t* scales;      // vector 0's first group
+  uint8_t* zeros;       // (null without zero points)
+  uint8_t* ovals;       // vector 0's outlier values
+  uint8_t* opos;        // vector 0's outlier positions (1 byte each)
+};
+
+/// Four consecutive vectors of the lean path in one call, head_dim D = NC * 8 NV in {64, 128,
+/// 256} and k = K fixed at compile time: isolate_rows_lean, the outlier range check, group
+/// parameters and metadata, the code bounds, lean_codes4 and the outliers (values as fp16,
+/// positions one byte: D <= 256), with no per-vector dispatch. The bytes of
+/// quantize_outlier_rows' per-vector steps. False when a row is not finite, an outlier is out of
+/// fp16 range or a group's parameters are not finite in the metadata type (what was written is
+/// then rewritten by the caller's per-vector steps, which throw the error).
+template <class Codec, int NV, int K, int NC>
+inline bool lean_quad(const Codec& codec, int bits, const float* const* rows, const LeanQuadOut& o,
+                      OutlierScratch& sc) {
+  constexpr int R = kLeanRows;
+  constexpr int64_t D = int64_t{NC} * 8 * NV;
+  static_assert(D <= 256 && NC <= 8, "lean_quad: head_dim <= 256 (one-byte positions)");
+  alignas(32) float lo[R][8], hi[R][8];
+  int32_t sel[R * K];
+  alignas(32) float vals[R * K + 8];
+  bool ok[R];
+  _mm256_storeu_ps(vals + R * K, _mm256_setzero_ps());  // the lanes past R K that loads read
+  isolate_rows_lean<NV, K, R, NC>(rows, D, sel, vals, &lo[0][0], &hi[0][0], 8, sc, ok);
+  if (!(ok[0] && ok[1] && ok[2] && ok[3])) return false;
+  // |outlier| < 65520 (fp16's range; false for NaN) for all R K values
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 lim = _mm256_set1_ps(65520.f);
+  for (int j = 0; j < R * K; j += 8) {
+    const int lanes = R * K - j >= 8 ? 0xff : (1 << (R * K - j)) - 1;
+    const __m256 in = _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(vals + j), abs_mask), lim, _CMP_LT_OQ);
+    if ((_mm256_movemask_ps(in) & lanes) != lanes) return false;
+  }
+  const bool f16 = codec.meta == MetaDType::kF16;
+  const int64_t mb = f16 ? 2 : 4;
+  const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(NC), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  alignas(32) float z[R][8], inv[R][8], ca[R][8], cb[R][8];
+  for (int i = 0; i < R; ++i) {
+    const __m256 L = _mm256_maskload_ps(lo[i], lanes), Hv = _mm256_maskload_ps(hi[i], lanes);
+    __m256 Z, S, I, CA, CB;
+    if (!dense_params8(codec, L, Hv, NC, Z, S, I)) return false;
+    kernels::store_meta8(S, NC, f16, o.scales + i * NC * mb);
+    if (codec.has_zero()) kernels::store_meta8(Z, NC, f16, o.zeros + i * NC * mb);
+    lean_bounds8(codec, L, Hv, Z, I, CA, CB);
+    _mm256_store_ps(z[i], Z);
+    _mm256_store_ps(inv[i], I);
+    _mm256_store_ps(ca[i], CA);
+    _mm256_store_ps(cb[i], CB);
+  }
+  lean_codes4<Codec, NV, NC>(codec, bits, rows, z, inv, ca, cb, o.codes);
+  // outliers: R K consecutive values and positions
+  for (int j = 0; j < R * K; j += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_load_ps(vals + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    alignas(16) uint16_t hb[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(hb), h);
+    const int n = R * K - j >= 8 ? 8 : R * K - j;
+    std::memcpy(o.ovals + 2 * j, hb, static_cast<std::size_t>(n) * 2);
+  }
+  for (int j = 0; j < R * K; ++j) o.opos[j] = static_cast<uint8_t>(sel[j]);
+  return true;
+}
+
+/// The lean_quad instance for (gc, k, D) (D in {64, 128, 256}), or null.
+template <class Codec>
+using LeanQuadFn = bool (*)(const Codec&, int, const float* const*, const LeanQuadOut&, OutlierScratch&);
+template <class Codec>
+inline LeanQuadFn<Codec> lean_quad_for(int64_t D, int64_t gc, int64_t k) {
+  LeanQuadFn<Codec> fn = nullptr;
+  with_lean_instance(D, gc, k, [&](auto nv, auto kk) {
+    constexpr int NV = decltype(nv)::value, K = decltype(kk)::value;
+    auto fixed = [&](auto ncc) {
+      constexpr int NC = decltype(ncc)::value;
+      constexpr int64_t Dc = int64_t{NC} * 8 * NV;
+      if constexpr (Dc == 64 || Dc == 128 || Dc == 256)
+        if (D == Dc) fn = &lean_quad<Codec, NV, K, NC>;
+    };
+    fixed(std::integral_constant<int, 1>{});
+    fixed(std::integral_constant<int, 2>{});
+    fixed(std::integral_constant<int, 4>{});
+    fixed(std::integral_constant<int, 8>{});
+  });
+  return fn;
+}
+#endif
 
 #endif
 
@@ -256,15 +392,18 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
   [[maybe_unused]] float* ca = nullptr;
   [[maybe_unused]] float* cb = nullptr;
   const float* rows[R] = {};
+  const int pb = outlier_pos_bytes(D);
 #if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+  // head_dim 64, 128, 256: four vectors per lean_quad call (no per-vector dispatch)
+  LeanQuadFn<Codec> quad = nullptr;
   if constexpr (std::is_same_v<Codec, IntCodec> || std::is_same_v<Codec, NuqCodec>) {
     lean = (gc == 32 || gc == 64 || gc == 128) && D % gc == 0 && k >= 1 && k <= 4 &&
            D <= 64 * detail::kRowMaskWords && D < (int64_t{1} << 16);
     ca = QuantWorkspace::at_least(ws.ca, R * unp);
     cb = QuantWorkspace::at_least(ws.cb, R * unp);
+    if (lean && pb == 1) quad = lean_quad_for<Codec>(D, gc, k);
   }
 #endif
-  const int pb = outlier_pos_bytes(D);
   const std::size_t row_bytes = uD * sizeof(T);
   // Codes 8 at a time (gc % 8 == 0, so D % 8 == 0: rows start on a byte); the group of
   // channel e is (e * gmul) >> 32, exact for e, gc < 2^16.
@@ -286,6 +425,17 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
       if (x.dim_contiguous()) kernels::prefetch_ahead(x.row(t, h), row_bytes);
       rows[i] = load_row(x, t, h, buf + i * uD);
     }
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+    if (quad != nullptr && nr == R) {
+      const auto cbytes = static_cast<std::size_t>(v0 * D) * static_cast<std::size_t>(bits) / 8;
+      const auto mb = static_cast<std::size_t>(meta == MetaDType::kF16 ? 2 : 4);
+      const auto g0 = static_cast<std::size_t>(v0 * nc);
+      const LeanQuadOut o{q.codes + cbytes, q.scales + mb * g0,
+                          codec.has_zero() ? q.zeros + mb * g0 : nullptr,
+                          q.outlier_values + 2 * v0 * k, q.outlier_pos + v0 * k};
+      if (quad(codec, bits, rows, o, ws.outlier)) continue;
+    }
+#endif
     bool done = false;
 #if KVQ_HAS_AVX2
     if (lean)
@@ -334,10 +484,8 @@ void quantize_outlier_rows(const QuantConfig& cfg, const Codec& codec, int bits,
         }
 #if KVQ_HAS_AVX2
       if (lean) {
-        if constexpr (std::is_same_v<Codec, IntCodec>)
-          lean_int_bounds(codec, nc, l, u, zg, ig, ca + i * unp, cb + i * unp);
-        else if constexpr (std::is_same_v<Codec, NuqCodec>)
-          lean_nuq_bounds(nc, l, u, zg, ig, ca + i * unp, cb + i * unp);
+        if constexpr (std::is_same_v<Codec, IntCodec> || std::is_same_v<Codec, NuqCodec>)
+          lean_bounds(codec, nc, l, u, zg, ig, ca + i * unp, cb + i * unp);
       }
 #endif
     }
