@@ -761,8 +761,13 @@ inline void isolate_rows_lean(const float* const* rs, int64_t D, int32_t* sel_, 
       const __m256 h = reduce8(hpart + b, nc - b, ninf8, [](__m256 a, __m256 c) { return _mm256_max_ps(a, c); });
       const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nc - b)),
                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      _mm256_maskstore_ps(lo + b, lanes, l);
-      _mm256_maskstore_ps(hi + b, lanes, h);
+      if (b + 8 <= gstride) {  // room for 8 lanes (lanes past nc are junk): a plain store,
+        _mm256_storeu_ps(lo + b, l);  // which a later load of the 8 lanes is forwarded from
+        _mm256_storeu_ps(hi + b, h);
+      } else {
+        _mm256_maskstore_ps(lo + b, lanes, l);
+        _mm256_maskstore_ps(hi + b, lanes, h);
+      }
       zero_bound |= (_mm256_movemask_ps(_mm256_and_ps(
                          _mm256_or_ps(_mm256_cmp_ps(l, zero8, _CMP_EQ_OQ), _mm256_cmp_ps(h, zero8, _CMP_EQ_OQ)),
                          _mm256_castsi256_ps(lanes)))) != 0;

@@ -289,25 +289,26 @@ inline bool lean_quad(const Codec& codec, int bits, const float* const* rows, co
   static_assert(D <= 256 && NC <= 8, "lean_quad: head_dim <= 256 (one-byte positions)");
   alignas(32) float lo[R][8], hi[R][8];
   int32_t sel[R * K];
-  alignas(32) float vals[R * K + 8];
+  float vals[R * K];
   bool ok[R];
-  _mm256_storeu_ps(vals + R * K, _mm256_setzero_ps());  // the lanes past R K that loads read
   isolate_rows_lean<NV, K, R, NC>(rows, D, sel, vals, &lo[0][0], &hi[0][0], 8, sc, ok);
   if (!(ok[0] && ok[1] && ok[2] && ok[3])) return false;
-  // |outlier| < 65520 (fp16's range; false for NaN) for all R K values
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  const __m256 lim = _mm256_set1_ps(65520.f);
-  for (int j = 0; j < R * K; j += 8) {
-    const int lanes = R * K - j >= 8 ? 0xff : (1 << (R * K - j)) - 1;
-    const __m256 in = _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(vals + j), abs_mask), lim, _CMP_LT_OQ);
-    if ((_mm256_movemask_ps(in) & lanes) != lanes) return false;
+  // The outliers (R K consecutive values and positions), each |value| < 65520 (fp16's range;
+  // false for NaN). One value at a time: isolate_rows_lean stored them one at a time, and a
+  // vector load of several would wait for those stores to complete.
+  for (int j = 0; j < R * K; ++j) {
+    if (!(std::fabs(vals[j]) < 65520.f)) return false;
+    const uint16_t hb = float_to_half_bits_fast(vals[j]);
+    std::memcpy(o.ovals + 2 * j, &hb, 2);
+    o.opos[j] = static_cast<uint8_t>(sel[j]);
   }
   const bool f16 = codec.meta == MetaDType::kF16;
   const int64_t mb = f16 ? 2 : 4;
-  const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(NC), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   alignas(32) float z[R][8], inv[R][8], ca[R][8], cb[R][8];
   for (int i = 0; i < R; ++i) {
-    const __m256 L = _mm256_maskload_ps(lo[i], lanes), Hv = _mm256_maskload_ps(hi[i], lanes);
+    // all 8 lanes (isolate_rows_lean stores them: lanes >= NC are junk, which group_params8
+    // ignores and lean_codes4 never reads)
+    const __m256 L = _mm256_load_ps(lo[i]), Hv = _mm256_load_ps(hi[i]);
     __m256 Z, S, I, CA, CB;
     if (!dense_params8(codec, L, Hv, NC, Z, S, I)) return false;
     kernels::store_meta8(S, NC, f16, o.scales + i * NC * mb);
@@ -319,15 +320,6 @@ inline bool lean_quad(const Codec& codec, int bits, const float* const* rows, co
     _mm256_store_ps(cb[i], CB);
   }
   lean_codes4<Codec, NV, NC>(codec, bits, rows, z, inv, ca, cb, o.codes);
-  // outliers: R K consecutive values and positions
-  for (int j = 0; j < R * K; j += 8) {
-    const __m128i h = _mm256_cvtps_ph(_mm256_load_ps(vals + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    alignas(16) uint16_t hb[8];
-    _mm_store_si128(reinterpret_cast<__m128i*>(hb), h);
-    const int n = R * K - j >= 8 ? 8 : R * K - j;
-    std::memcpy(o.ovals + 2 * j, hb, static_cast<std::size_t>(n) * 2);
-  }
-  for (int j = 0; j < R * K; ++j) o.opos[j] = static_cast<uint8_t>(sel[j]);
   return true;
 }
 

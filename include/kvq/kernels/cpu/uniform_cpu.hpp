@@ -675,14 +675,14 @@ __attribute__((always_inline)) inline void pack32_store(__m256i b, uint8_t* out)
     } else {  // B == 3: 24 bits per qword, then the low 3 bytes of each
       const __m256i q = _mm256_and_si256(_mm256_or_si256(d, _mm256_srli_epi64(d, 20)),
                                          _mm256_set1_epi64x(0xffffff));
+      // the low lane's 6 bytes to bytes 0-5 of its half, the high lane's to bytes 6-11 of its
+      // half: one OR of the halves holds the 12 bytes in order
       const __m256i g = _mm256_shuffle_epi8(
-          q, _mm256_setr_epi8(0, 1, 2, 8, 9, 10, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 1, 2,
-                              8, 9, 10, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
-      const auto lo = static_cast<uint64_t>(_mm256_extract_epi64(g, 0));  // 48 bits
-      const auto hi = static_cast<uint64_t>(_mm256_extract_epi64(g, 2));  // 48 bits
-      const uint64_t w0 = lo | (hi << 48);
-      const auto w1 = static_cast<uint32_t>(hi >> 16);
-      std::memcpy(out, &w0, 8);
+          q, _mm256_setr_epi8(0, 1, 2, 8, 9, 10, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                              -1, -1, -1, -1, 0, 1, 2, 8, 9, 10, -1, -1, -1, -1));
+      const __m128i c = _mm_or_si128(_mm256_castsi256_si128(g), _mm256_extracti128_si256(g, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out), c);
+      const auto w1 = static_cast<uint32_t>(_mm_extract_epi32(c, 2));
       std::memcpy(out + 8, &w1, 4);
     }
   }
