@@ -735,17 +735,19 @@ TEST(OutlierQuant, ErrorOrderOfTheWholeTensorPath) {
   for (kvq::Axis axis : {kvq::Axis::kToken, kvq::Axis::kChannel}) {
     SCOPED_TRACE(kvq::to_string(axis));
     const auto cfg = make(kvq::Format::kInt, 3, axis, axis == kvq::Axis::kToken ? 32 : 16, 1);
+    auto expect_error = [&](const std::vector<float>& v, kvq::ErrorKind kind, const char* what) {
+      try {
+        kvq::quantize(cfg, kvq::KVView<const float>(v.data(), s));
+        FAIL() << "no throw, expected " << what;
+      } catch (const kvq::Error& e) {
+        EXPECT_EQ(e.kind(), kind) << e.what();
+        EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+      }
+    };
     std::vector<float> x = kvq_test::kv_data(s, 3, false);
     x[at(0, 0, 5)] = 1e6f;  // vector 0: its outlier, which fp16 cannot store
     x[at(3, 1, 7)] = NAN;   // a later vector
-    try {
-      kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s));
-      FAIL() << "no throw";
-    } catch (const kvq::Error& e) {
-      EXPECT_EQ(e.kind(), kvq::ErrorKind::kNonFinite) << e.what();
-      EXPECT_NE(std::string(e.what()).find("token=3, head=1, channel=7"), std::string::npos)
-          << e.what();
-    }
+    expect_error(x, kvq::ErrorKind::kNonFinite, "token=3, head=1, channel=7");
     x[at(3, 1, 7)] = 1.f;
     // A group below fp16's range that is not an outlier: the dense part's zero point overflows
     // fp16 metadata. Token axis: vector (9, 0) at -70000 except its outlier (-60000, which
@@ -756,45 +758,16 @@ TEST(OutlierQuant, ErrorOrderOfTheWholeTensorPath) {
     } else {
       for (int64_t t = 0; t < 16; ++t) x[at(t, 0, 30)] = -70000.f;
     }
-    try {
-      kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s));
-      FAIL() << "no throw";
-    } catch (const kvq::Error& e) {
-      EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
-      EXPECT_NE(std::string(e.what()).find("outlier (token=0, head=0, channel=5)"),
-                std::string::npos)
-          << e.what();
-    }
+    expect_error(x, kvq::ErrorKind::kOutOfRange, "outlier (token=0, head=0, channel=5)");
     x[at(0, 0, 5)] = 1.f;
-    try {
-      kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s));
-      FAIL() << "no throw";
-    } catch (const kvq::Error& e) {
-      EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
-      EXPECT_NE(std::string(e.what()).find("metadata"), std::string::npos) << e.what();
-    }
+    expect_error(x, kvq::ErrorKind::kOutOfRange, "metadata");
     // Each error alone, inside a block of four vectors (the token axis' lean_quad calls).
     x = kvq_test::kv_data(s, 3, false);
     x[at(3, 0, 9)] = -1e6f;  // vector 6
-    try {
-      kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s));
-      FAIL() << "no throw";
-    } catch (const kvq::Error& e) {
-      EXPECT_EQ(e.kind(), kvq::ErrorKind::kOutOfRange);
-      EXPECT_NE(std::string(e.what()).find("outlier (token=3, head=0, channel=9)"),
-                std::string::npos)
-          << e.what();
-    }
+    expect_error(x, kvq::ErrorKind::kOutOfRange, "outlier (token=3, head=0, channel=9)");
     x[at(3, 0, 9)] = 1.f;
     x[at(5, 1, 3)] = -INFINITY;  // vector 11
-    try {
-      kvq::quantize(cfg, kvq::KVView<const float>(x.data(), s));
-      FAIL() << "no throw";
-    } catch (const kvq::Error& e) {
-      EXPECT_EQ(e.kind(), kvq::ErrorKind::kNonFinite) << e.what();
-      EXPECT_NE(std::string(e.what()).find("token=5, head=1, channel=3"), std::string::npos)
-          << e.what();
-    }
+    expect_error(x, kvq::ErrorKind::kNonFinite, "token=5, head=1, channel=3");
   }
 }
 
