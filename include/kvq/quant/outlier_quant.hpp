@@ -24,7 +24,9 @@
 /// 32, 64 or 128, k <= 4: the common KVQuant settings) isolates four vectors at a time with
 /// isolate_rows_lean (head_dim 64, 128, 256: the group count fixed at compile time; float statistics with a proven error bound, no dense row written) and
 /// encodes straight from the input, every entry clamped to its group's dense range in code
-/// space (lean_codes), which is what encoding the dense row gives, bit for bit. Token-spanning axes (channel, head,
+/// space (lean_codes), which is what encoding the dense row gives, bit for bit; for head_dim
+/// 64, 128 and 256 one lean_quad call does every step of four vectors with k, group size and
+/// head_dim fixed at compile time (no per-vector dispatch). Token-spanning axes (channel, head,
 /// tensor with a token group) are isolated and quantized one slab of whole token blocks at a
 /// time (about 128 KiB of input), so the dense quantizer reads the slab from cache. Both give
 /// the bytes of the whole-tensor path; on any error they rerun it, so errors (which element,
