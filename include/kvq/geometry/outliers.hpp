@@ -824,6 +824,28 @@ inline bool with_lean_instance(int64_t D, int64_t gc, int64_t k, F&& f) {
   }
 }
 
+/// For group size 8 NV: calls f(std::integral_constant<int, NC>) with D = NC * 8 NV when D is
+/// one of the head_dims with a fixed-group-count instance (64, 128, 256) and returns true, or
+/// returns false (f not called).
+template <int NV, class F>
+inline bool with_fixed_groups(int64_t D, F&& f) {
+  bool done = false;
+  auto one = [&](auto ncc) {
+    constexpr int NC = decltype(ncc)::value;
+    constexpr int64_t Dc = int64_t{NC} * 8 * NV;
+    if constexpr (Dc == 64 || Dc == 128 || Dc == 256)
+      if (!done && D == Dc) {
+        f(ncc);
+        done = true;
+      }
+  };
+  one(std::integral_constant<int, 1>{});
+  one(std::integral_constant<int, 2>{});
+  one(std::integral_constant<int, 4>{});
+  one(std::integral_constant<int, 8>{});
+  return done;
+}
+
 /// isolate_rows_lean for nr = 1 .. kLeanRows rows (row i's outputs at sel + i k, vals + i k,
 /// lo + i gstride, hi + i gstride) and a group size and k known at run time (D % gc == 0):
 /// false (nothing done) when with_lean_instance has none, else true with ok[i] = false where
@@ -839,36 +861,27 @@ inline bool isolate_rows_lean_rt(int nr, const float* const* rs, int64_t D, int6
   return with_lean_instance(D, gc, k, [&](auto nv, auto kk) {
     constexpr int NV = decltype(nv)::value, K = decltype(kk)::value;
     if (nr == 1) return isolate_rows_lean<NV, K, 1>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
-    auto fixed = [&](auto ncc) {
+    const bool fixed = with_fixed_groups<NV>(D, [&](auto ncc) {
       constexpr int NC = decltype(ncc)::value;
-      constexpr int64_t Dc = int64_t{NC} * 8 * NV;
-      if constexpr (Dc == 64 || Dc == 128 || Dc == 256) {
-        if (D != Dc) return false;
-        if (nr == kLeanRows) {
-          isolate_rows_lean<NV, K, kLeanRows, NC>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
-          return true;
-        }
-        const float* r4[kLeanRows];
-        for (int i = 0; i < kLeanRows; ++i) r4[i] = rs[i < nr ? i : nr - 1];
-        int32_t s4[kLeanRows * K];
-        float v4[kLeanRows * K], l4[kLeanRows * NC], h4[kLeanRows * NC];
-        bool ok4[kLeanRows];
-        isolate_rows_lean<NV, K, kLeanRows, NC>(r4, D, s4, v4, l4, h4, NC, sc, ok4);
-        for (int i = 0; i < nr; ++i) {
-          std::memcpy(sel + i * K, s4 + i * K, K * sizeof(int32_t));
-          std::memcpy(vals + i * K, v4 + i * K, K * sizeof(float));
-          std::memcpy(lo + i * gstride, l4 + i * NC, NC * sizeof(float));
-          std::memcpy(hi + i * gstride, h4 + i * NC, NC * sizeof(float));
-          ok[i] = ok4[i];
-        }
-        return true;
-      } else {
-        return false;
+      if (nr == kLeanRows) {
+        isolate_rows_lean<NV, K, kLeanRows, NC>(rs, D, sel, vals, lo, hi, gstride, sc, ok);
+        return;
       }
-    };
-    if (fixed(std::integral_constant<int, 1>{}) || fixed(std::integral_constant<int, 2>{}) ||
-        fixed(std::integral_constant<int, 4>{}) || fixed(std::integral_constant<int, 8>{}))
-      return;
+      const float* r4[kLeanRows];
+      for (int i = 0; i < kLeanRows; ++i) r4[i] = rs[i < nr ? i : nr - 1];
+      int32_t s4[kLeanRows * K];
+      float v4[kLeanRows * K], l4[kLeanRows * NC], h4[kLeanRows * NC];
+      bool ok4[kLeanRows];
+      isolate_rows_lean<NV, K, kLeanRows, NC>(r4, D, s4, v4, l4, h4, NC, sc, ok4);
+      for (int i = 0; i < nr; ++i) {
+        std::memcpy(sel + i * K, s4 + i * K, K * sizeof(int32_t));
+        std::memcpy(vals + i * K, v4 + i * K, K * sizeof(float));
+        std::memcpy(lo + i * gstride, l4 + i * NC, NC * sizeof(float));
+        std::memcpy(hi + i * gstride, h4 + i * NC, NC * sizeof(float));
+        ok[i] = ok4[i];
+      }
+    });
+    if (fixed) return;
     for (int i = 0; i < nr; i += 2) {
       if (nr - i >= 2)
         isolate_rows_lean<NV, K, 2>(rs + i, D, sel + i * K, vals + i * K, lo + i * gstride,

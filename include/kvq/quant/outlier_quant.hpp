@@ -298,12 +298,9 @@ inline bool lean_quad(const Codec& codec, int bits, const float* const* rows, co
   // The outliers (R K consecutive values and positions), each |value| < 65520 (fp16's range;
   // false for NaN). One value at a time: isolate_rows_lean stored them one at a time, and a
   // vector load of several would wait for those stores to complete.
-  for (int j = 0; j < R * K; ++j) {
+  for (int j = 0; j < R * K; ++j)
     if (!(std::fabs(vals[j]) < 65520.f)) return false;
-    const uint16_t hb = float_to_half_bits_fast(vals[j]);
-    std::memcpy(o.ovals + 2 * j, &hb, 2);
-    o.opos[j] = static_cast<uint8_t>(sel[j]);
-  }
+  store_outliers(vals, sel, R * K, 1, o.ovals, o.opos);
   const bool f16 = codec.meta == MetaDType::kF16;
   const int64_t mb = f16 ? 2 : 4;
   alignas(32) float z[R][8], inv[R][8], ca[R][8], cb[R][8];
@@ -333,16 +330,7 @@ inline LeanQuadFn<Codec> lean_quad_for(int64_t D, int64_t gc, int64_t k) {
   LeanQuadFn<Codec> fn = nullptr;
   with_lean_instance(D, gc, k, [&](auto nv, auto kk) {
     constexpr int NV = decltype(nv)::value, K = decltype(kk)::value;
-    auto fixed = [&](auto ncc) {
-      constexpr int NC = decltype(ncc)::value;
-      constexpr int64_t Dc = int64_t{NC} * 8 * NV;
-      if constexpr (Dc == 64 || Dc == 128 || Dc == 256)
-        if (D == Dc) fn = &lean_quad<Codec, NV, K, NC>;
-    };
-    fixed(std::integral_constant<int, 1>{});
-    fixed(std::integral_constant<int, 2>{});
-    fixed(std::integral_constant<int, 4>{});
-    fixed(std::integral_constant<int, 8>{});
+    with_fixed_groups<NV>(D, [&](auto ncc) { fn = &lean_quad<Codec, NV, K, decltype(ncc)::value>; });
   });
   return fn;
 }
