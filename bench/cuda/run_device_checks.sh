@@ -99,7 +99,7 @@ fi
 echo
 echo "== kvq CUDA device checks ($(($(date +%s) - t0)) s) =="
 grep -E '^device' "$logs/bench.log" | cut -f2
-grep -vE '^(device|[a-z_]+/|[a-z_]+\t)' "$logs/bench.log" "$logs/sdpa.log" | sed 's/^/note: /'
+cat "$logs/bench.log" "$logs/sdpa.log" | grep -vP '\t' | sed 's/^/note: /'
 printf '%-8s %-58s %s\n' kind name result
 for r in "${rows[@]}"; do
   IFS=$'\t' read -r kind name res <<<"$r"

@@ -714,9 +714,77 @@ std::vector<float> reference_decode(const std::vector<float>& k, const std::vect
   return out;
 }
 
-void gpu_decode_case(const Pair& pr, int64_t group, float q_gain, int64_t split_tokens) {
+struct DecodeCase {
+  Pair pr;
+  int64_t group;
+  float q_gain;
+  int64_t split_tokens;
+  int64_t head_dim;
+};
+
+/// Every decode-attention case the GPU runs (Gpu.DecodeAttention*; HostEmulated.DecodeCases
+/// builds the same pages and plans on the host, so a case the layout refuses fails in CI).
+std::vector<DecodeCase> decode_cases() {
+  std::vector<DecodeCase> cases;
+  std::vector<Pair> pairs = {
+      {"f16 / f16", raw_cfg(Format::kF16), raw_cfg(Format::kF16)},
+      {"e4m3 head / e4m3 head (fp8)", fp8_cfg(false, Axis::kHead, 64), fp8_cfg(false, Axis::kHead, 64)},
+      {"k8v4: int8 channel g64 / int4 token g32", int_cfg(8, Axis::kChannel, 64),
+       int_cfg(4, Axis::kToken, 32)},
+      {"kivi4: int4 channel g32 / int4 token g32", int_cfg(4, Axis::kChannel, 32),
+       int_cfg(4, Axis::kToken, 32)},
+      {"int2 token g16 / int3 token g32", int_cfg(2, Axis::kToken, 16), int_cfg(3, Axis::kToken, 32)},
+      {"lm4 / lm3", lm_cfg(4), lm_cfg(3)},
+      {"e5m2 token / lm2", fp8_cfg(true, Axis::kToken), lm_cfg(2)},
+      {"nuq4 channel g32 / nuq3 token g32", nuq_cfg(4, Axis::kChannel, 32), nuq_cfg(3, Axis::kToken, 32)},
+  };
+  for (const Pair& p : outlier_pairs()) pairs.push_back(p);
+  for (const Pair& p : elementwise_pairs()) pairs.push_back(p);
+  for (const Pair& pr : pairs) {
+    cases.push_back({pr, 4, 1.f, 0, kD});
+    cases.push_back({pr, 1, 1.f, 64, kD});   // many splits, MHA
+    cases.push_back({pr, 12, 8.f, 0, kD});   // two CTAs per GQA group, peaky softmax
+  }
+  // The tiled kernel's shapes: lanes per token 4 (32), 16 (128; 96 with idle lanes), 32 (256);
+  // GQA groups 2 and 8 (the 8-head instance); vector and element-by-element formats together.
+  for (const int64_t D : {32, 96, 128, 256}) {
+    std::vector<Pair> more = elementwise_pairs();
+    for (const Pair& p : outlier_pairs()) more.push_back(p);
+    if (D != 96) {
+      for (const Pair& p : lm_pairs()) more.push_back(p);
+    }
+    for (const Pair& pr : more) {
+      // (a group that does not divide head_dim is the layout's refusal, not the kernel's)
+      if (error_kind([&] { kvq::make_page_layout(pr.k, pr.v, kP, kH, D); }) ==
+          static_cast<int>(kvq::ErrorKind::kShapeMismatch))
+        continue;
+      cases.push_back({pr, 4, 1.f, 0, D});
+      cases.push_back({pr, D == 128 ? 8 : 2, 4.f, 128, D});
+    }
+  }
+  // head_dim 20 (not a multiple of 8: every format element by element).
+  const std::vector<Pair> odd = {
+      {"f16 / bf16", raw_cfg(Format::kF16), raw_cfg(Format::kBF16)},
+      {"int4 channel g32 / int8 token g4", int_cfg(4, Axis::kChannel, 32), int_cfg(8, Axis::kToken, 4)},
+      {"e4m3 token / f32", fp8_cfg(false, Axis::kToken), raw_cfg(Format::kF32)},
+  };
+  for (const Pair& pr : odd) {
+    cases.push_back({pr, 4, 1.f, 0, 20});
+    cases.push_back({pr, 8, 2.f, 64, 20});
+  }
+  return cases;
+}
+
+/// One decode case: sequences of 1 granule, ~5 pages, 0 and ~1000 tokens written by the CPU,
+/// decoded on the GPU (device) and compared with reference_decode over the CPU-dequantized
+/// pages; without device, only the host half (pages, plan) runs.
+void decode_case(const DecodeCase& dc, bool device) {
+  const Pair& pr = dc.pr;
+  const int64_t group = dc.group, split_tokens = dc.split_tokens, kD = dc.head_dim;
+  const float q_gain = dc.q_gain;
   SCOPED_TRACE(pr.name + ", group " + std::to_string(group) + ", query gain " +
-               std::to_string(q_gain) + ", split " + std::to_string(split_tokens));
+               std::to_string(q_gain) + ", split " + std::to_string(split_tokens) +
+               ", head_dim " + std::to_string(kD));
   const PageLayout L = kvq::make_page_layout(pr.k, pr.v, kP, kH, kD);
   const int64_t g = L.granule;
   const std::vector<int64_t> lens = {g, (5 * kP / g) * g + g, 0, (1000 / g) * g};
@@ -738,6 +806,11 @@ void gpu_decode_case(const Pair& pr, int64_t group, float q_gain, int64_t split_
     indptr.push_back(indptr.back() + static_cast<int32_t>(np));
     tokens.push_back(static_cast<int32_t>(T));
   }
+  std::vector<float> q = make_input(Input::kGaussian, B, Hq, kD, 60);
+  for (float& x : q) x *= q_gain;
+  const int64_t max_len = *std::max_element(lens.begin(), lens.end());
+  const kvq::cuda::DecodePlan plan(L, B, Hq, max_len, split_tokens);
+  if (!device) return;
   std::vector<std::unique_ptr<DevPages>> dev;
   std::vector<const std::byte*> table;
   for (auto& s : seqs) {
@@ -745,10 +818,6 @@ void gpu_decode_case(const Pair& pr, int64_t group, float q_gain, int64_t split_
     dev.back()->upload(s);
     for (auto* p : dev.back()->ptrs) table.push_back(p);
   }
-  std::vector<float> q = make_input(Input::kGaussian, B, Hq, kD, 60);
-  for (float& x : q) x *= q_gain;
-  const int64_t max_len = *std::max_element(lens.begin(), lens.end());
-  const kvq::cuda::DecodePlan plan(L, B, Hq, max_len, split_tokens);
   void* ws = nullptr;
   CK(cudaMalloc(&ws, plan.workspace_bytes()));
   const std::byte** dtable = to_device(table);
@@ -782,26 +851,53 @@ void gpu_decode_case(const Pair& pr, int64_t group, float q_gain, int64_t split_
   cudaFree(dout);
 }
 
+/// Which tensors the tiled decode kernel reads with vector loads (the rest go element by
+/// element through load_element): expected kinds from the page formats' definitions.
+TEST(HostEmulated, DecodeVectorPathsCoverTheProductionFormats) {
+  namespace d = kvq::cuda::detail;
+  auto info = [](const QuantConfig& c, int64_t D) {
+    return d::vec_info(kvq::cuda::make_paged_desc(kvq::make_page_layout(c, c, kP, kH, D)).k, D);
+  };
+  struct Want {
+    const char* name;
+    QuantConfig c;
+    int64_t D;
+    int kind, consecutive, words;
+  };
+  const std::vector<Want> wants = {
+      {"f16", raw_cfg(Format::kF16), 128, d::kVecF16, 0, 4},
+      {"bf16", raw_cfg(Format::kBF16), 64, d::kVecBF16, 0, 4},
+      {"e4m3 token (one scale per vector)", fp8_cfg(false, Axis::kToken), 128, d::kVecFp8, 0, 2},
+      {"e5m2 channel g16", fp8_cfg(true, Axis::kChannel, 16), 128, d::kVecFp8, 1, 2},
+      {"int4 token g32", int_cfg(4, Axis::kToken, 32), 128, d::kVecInt4, 0, 1},
+      {"int8 channel g64", int_cfg(8, Axis::kChannel, 64), 128, d::kVecInt8, 1, 2},
+      {"int2 token g16 sym", int_cfg(2, Axis::kToken, 16, true), 64, d::kVecInt2, 0, 1},
+      {"int4 token g4 (groups of 4 channels)", int_cfg(4, Axis::kToken, 4), 64, d::kVecGeneric, 0, 0},
+      {"int3 token g32", int_cfg(3, Axis::kToken, 32), 128, d::kVecGeneric, 0, 0},
+      {"f32", raw_cfg(Format::kF32), 128, d::kVecGeneric, 0, 0},
+      {"nuq4 channel g32", nuq_cfg(4, Axis::kChannel, 32), 128, d::kVecGeneric, 0, 0},
+      {"lm4", lm_cfg(4), 128, d::kVecGeneric, 0, 0},
+      {"int4 token g32 + 1 outlier", with_outliers(int_cfg(4, Axis::kToken, 32), 1), 128,
+       d::kVecGeneric, 0, 0},
+      {"f16 at head_dim 20", raw_cfg(Format::kF16), 20, d::kVecGeneric, 0, 0},
+  };
+  for (const Want& w : wants) {
+    const d::VecInfo v = info(w.c, w.D);
+    EXPECT_EQ(v.kind, w.kind) << w.name;
+    EXPECT_EQ(v.consecutive_meta, w.consecutive) << w.name;
+    EXPECT_EQ(v.words, w.words) << w.name;
+  }
+}
+
+TEST(HostEmulated, DecodeCases) {
+  const std::vector<DecodeCase> cases = decode_cases();
+  EXPECT_GE(cases.size(), 240u);
+  for (const DecodeCase& dc : cases) decode_case(dc, false);
+}
+
 TEST(Gpu, DecodeAttentionMatchesTheReference) {
   KVQ_REQUIRE_GPU();
-  std::vector<Pair> pairs = {
-      {"f16 / f16", raw_cfg(Format::kF16), raw_cfg(Format::kF16)},
-      {"e4m3 head / e4m3 head (fp8)", fp8_cfg(false, Axis::kHead, 64), fp8_cfg(false, Axis::kHead, 64)},
-      {"k8v4: int8 channel g64 / int4 token g32", int_cfg(8, Axis::kChannel, 64),
-       int_cfg(4, Axis::kToken, 32)},
-      {"kivi4: int4 channel g32 / int4 token g32", int_cfg(4, Axis::kChannel, 32),
-       int_cfg(4, Axis::kToken, 32)},
-      {"int2 token g16 / int3 token g32", int_cfg(2, Axis::kToken, 16), int_cfg(3, Axis::kToken, 32)},
-      {"lm4 / lm3", lm_cfg(4), lm_cfg(3)},
-      {"e5m2 token / lm2", fp8_cfg(true, Axis::kToken), lm_cfg(2)},
-      {"nuq4 channel g32 / nuq3 token g32", nuq_cfg(4, Axis::kChannel, 32), nuq_cfg(3, Axis::kToken, 32)},
-  };
-  for (const Pair& p : outlier_pairs()) pairs.push_back(p);
-  for (const Pair& pr : pairs) {
-    gpu_decode_case(pr, 4, 1.f, 0);
-    gpu_decode_case(pr, 1, 1.f, 64);    // many splits, MHA
-    gpu_decode_case(pr, 12, 8.f, 0);    // two CTAs per GQA group, peaky softmax
-  }
+  for (const DecodeCase& dc : decode_cases()) decode_case(dc, true);
 }
 
 }  // namespace

@@ -6,13 +6,14 @@
 /// the sequence (the math of kernels/cpu/attention_cpu.hpp and reference/attention_ref.hpp,
 /// in fp32 with a different summation order: results agree within 1e-3 relative).
 ///
-/// Work split: a CTA of kWarps warps handles one (sequence, kv head, chunk of <= 8 query heads
-/// of its GQA group, split of `split_tokens` tokens); every key/value element it dequantizes
-/// serves all those query heads (each page byte is read once per GQA group). Each warp walks
-/// tokens w, w + kWarps, ... of the split, lanes across head_dim (coordinate e * 32 + lane),
-/// keeping an fp32 online softmax (running max m, sum l, accumulator) per query head; the CTA
-/// merges its warps and writes (m, l, acc) of its split to the workspace. A merge kernel
-/// combines the splits of every (sequence, query head) and normalizes. Lloyd-Max keys are
+/// Work split: a CTA of kDecodeWarps warps handles one (sequence, kv head, chunk of <= 8 query
+/// heads of its GQA group, split of `split_tokens` tokens); every key/value element it
+/// dequantizes serves all those query heads (each page byte is read once per GQA group). The
+/// warps take chunks of tokens in turn (decode_tile_kernel below: a few lanes per token, vector
+/// loads issued a chunk ahead, one online-softmax update per chunk), keeping an fp32 running
+/// max m, sum l and accumulator per query head; the CTA merges its warps and writes (m, l, acc)
+/// of its split to the workspace. A merge kernel combines the splits of every (sequence, query
+/// head) and normalizes. Lloyd-Max keys are
 /// scored against the query rotated once per CTA (q.k = (Rq).(Rk)); Lloyd-Max values are
 /// accumulated in the rotated domain and rotated back once in the merge kernel.
 ///
@@ -20,7 +21,11 @@
 /// device array of page pointers, `seq_tokens` [batch]. A sequence of 0 tokens gets a zero
 /// output. DecodePlan fixes the split size from the longest sequence once; run() allocates
 /// nothing.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <cmath>
+#include <type_traits>
 
 #include "kvq/kernels/cuda/common.cuh"
 
@@ -29,7 +34,7 @@ namespace cuda {
 namespace detail {
 
 inline constexpr int kDecodeWarps = 4;
-inline constexpr int kMaxGroupPerCta = 8;
+inline constexpr int kMaxGroupPerCta = 8;  ///< query heads per CTA at most (GM of the tiled kernel)
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -59,87 +64,396 @@ __device__ inline void block_rotate(float* x, int D, const TensorDesc& X, bool i
   __syncthreads();
 }
 
-/// Split kernel. grid = (splits, kv_heads * group_chunks, batch), block = kDecodeWarps * 32.
-/// part_acc: [batch, q_heads, splits, D]; part_ml: [batch, q_heads, splits, 2].
+// ---------------------------------------------------------------------------------------------
+// Tiled decode kernel (the one DecodePlan runs).
+//
+// A CTA of kDecodeWarps warps handles one (sequence, kv head, chunk of <= GM query heads, split
+// of tokens). Inside a warp, LPT lanes share a token (lane i of the group owns channels
+// [8i, 8i + 8)), so a warp step covers 32 / LPT tokens and reads each token's packed row with
+// one vector load per lane (16 bytes of f16, 8 of fp8/int8, 4 of int4, 2 of int2). A warp
+// works on chunks of NS steps: it issues the NS loads of keys and values first (the bytes in
+// flight that hide the memory latency), then scores every token of the chunk for its GM query
+// heads (a butterfly over the LPT lanes of a token), updates the online softmax once per chunk
+// (max over the chunk, one rescale of the accumulators), and accumulates the values. Query
+// heads share every dequantized element (each page byte is read once per GQA group).
+//
+// Formats with a vector path (VecKind): f16, bf16, e4m3/e5m2 and int2/4/8 whose scale groups
+// either hold whole runs of 8 channels (gc % 8 == 0: one scale per lane and token) or are one
+// channel wide (gc == 1: 8 consecutive scales). Everything else (f32, nuq, Lloyd-Max,
+// dense-and-sparse outliers, other groups, head_dim % 8 != 0) reads element by element through
+// load_element (kGeneric), in the same kernel.
+// ---------------------------------------------------------------------------------------------
+
+enum VecKind : int32_t { kVecGeneric = 0, kVecF16, kVecBF16, kVecFp8, kVecInt2, kVecInt4, kVecInt8 };
+
+/// How the tiled kernel reads one tensor of a page (from its TensorDesc, at plan time).
+struct VecInfo {
+  int32_t kind = kVecGeneric;
+  int32_t consecutive_meta = 0;  ///< 1: one scale per channel (gc == 1); 0: one per 8 channels
+  int32_t words = 0;             ///< 32-bit words a lane loads per token (0: none, generic)
+  // The group box of (t, h, d) in 32-bit arithmetic: ((t / gt) * nh + h / gh) * nc + d / gc.
+  int32_t gt = 1, gt_shift = 0;  ///< gt_shift = log2(gt) when gt is a power of two, else -1
+  int32_t gh = 1, gc = 1, nc = 1, nhnc = 1;
+};
+
+inline VecInfo vec_info(const TensorDesc& T, int64_t D) {
+  VecInfo v;
+  if (D % 8 != 0 || T.outliers > 0) return v;
+  const auto f = static_cast<Format>(T.format);
+  if (f == Format::kF16 || f == Format::kBF16) {
+    v.kind = f == Format::kF16 ? kVecF16 : kVecBF16;
+    v.words = 4;
+    return v;
+  }
+  if (f == Format::kE4M3 || f == Format::kE5M2) {
+    v.kind = kVecFp8;
+    v.words = 2;
+  } else if (f == Format::kInt && (T.bits == 2 || T.bits == 4 || T.bits == 8)) {
+    v.kind = T.bits == 2 ? kVecInt2 : (T.bits == 4 ? kVecInt4 : kVecInt8);
+    v.words = T.bits == 8 ? 2 : 1;
+  } else {
+    return v;
+  }
+  if (T.gc % 8 == 0) {
+    v.consecutive_meta = 0;
+  } else if (T.gc == 1) {
+    v.consecutive_meta = 1;
+  } else {
+    return VecInfo{};
+  }
+  v.gt = static_cast<int32_t>(T.gt);
+  v.gt_shift = -1;
+  for (int sh = 0; sh < 31; ++sh)
+    if ((int64_t{1} << sh) == T.gt) v.gt_shift = sh;
+  v.gh = static_cast<int32_t>(T.gh);
+  v.gc = static_cast<int32_t>(T.gc);
+  v.nc = static_cast<int32_t>(T.nc);
+  v.nhnc = static_cast<int32_t>(T.nh * T.nc);
+  return v;
+}
+
+/// Loads the packed row piece of lane channels [d0, d0 + 8) of element row r = tp * H + h.
+template <int W>
+__device__ __forceinline__ void vec_load(const VecInfo& vi, const TensorDesc& T,
+                                         const uint8_t* page, int r, int D, int d0,
+                                         uint32_t (&raw)[W]) {
+  const uint8_t* codes = page + T.codes;
+  const int i0 = r * D + d0;
+  switch (vi.kind) {
+    case kVecF16:
+    case kVecBF16:
+      if constexpr (W >= 4) {
+        const uint4 u = __ldg(reinterpret_cast<const uint4*>(codes + 2 * i0));
+        raw[0] = u.x;
+        raw[1] = u.y;
+        raw[2] = u.z;
+        raw[3] = u.w;
+      }
+      break;
+    case kVecFp8:
+    case kVecInt8:
+      if constexpr (W >= 2) {
+        const uint2 u = __ldg(reinterpret_cast<const uint2*>(codes + i0));
+        raw[0] = u.x;
+        raw[1] = u.y;
+      }
+      break;
+    case kVecInt4: raw[0] = __ldg(reinterpret_cast<const uint32_t*>(codes + i0 / 2)); break;
+    case kVecInt2:
+      raw[0] = __ldg(reinterpret_cast<const unsigned short*>(codes + i0 / 4));
+      break;
+    default: break;
+  }
+}
+
+__device__ __forceinline__ float meta_at(const uint8_t* base, bool f16, int i) {
+  return f16 ? __half2float(__ldg(reinterpret_cast<const __half*>(base) + i))
+             : __ldg(reinterpret_cast<const float*>(base) + i);
+}
+
+/// 8 consecutive metadata slots from i (i % 8 == 0: 16- or 32-byte aligned).
+__device__ __forceinline__ void meta8(const uint8_t* base, bool f16, int i, float (&m)[8]) {
+  if (f16) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(base + 2 * i));
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[j]));
+      m[2 * j] = f.x;
+      m[2 * j + 1] = f.y;
+    }
+  } else {
+    const uint4 a = __ldg(reinterpret_cast<const uint4*>(base + 4 * i));
+    const uint4 b = __ldg(reinterpret_cast<const uint4*>(base + 4 * i + 16));
+    m[0] = __uint_as_float(a.x);
+    m[1] = __uint_as_float(a.y);
+    m[2] = __uint_as_float(a.z);
+    m[3] = __uint_as_float(a.w);
+    m[4] = __uint_as_float(b.x);
+    m[5] = __uint_as_float(b.y);
+    m[6] = __uint_as_float(b.z);
+    m[7] = __uint_as_float(b.w);
+  }
+}
+
+/// load_element over channels [d0, d0 + 8) (0 at and past D). Out of line: inlined into every
+/// unrolled step of the tiled kernel, load_element's switch over all formats and outlier scan
+/// would multiply the kernel's code size (ptxas time and instruction cache).
+__device__ __noinline__ void generic_decode8(const TensorDesc& T, const uint8_t* page, int tp,
+                                             int h, int H, int D, int d0, float* x) {
+  for (int j = 0; j < 8; ++j) {
+    const int d = d0 + j;
+    x[j] = d < D ? load_element(T, page, H, D, tp, h, d) : 0.f;
+  }
+}
+
+/// Dequantizes lane channels [d0, d0 + 8) of page-local token tp, head h (the values of
+/// load_element: same formulas, same roundings) from the raw words vec_load fetched; generic
+/// kinds read through load_element (channels >= D give 0). mb: the lane's part of the box
+/// index, (h / gh) * nc + d0 / gc.
+template <int W>
+__device__ __forceinline__ void vec_decode(const VecInfo& vi, const TensorDesc& T,
+                                           const uint8_t* page, int tp, int h, int H, int D,
+                                           int d0, int mb, const uint32_t (&raw)[W],
+                                           float (&x)[8]) {
+  switch (vi.kind) {
+    case kVecF16:
+      if constexpr (W >= 4) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw[j]));
+          x[2 * j] = f.x;
+          x[2 * j + 1] = f.y;
+        }
+      }
+      return;
+    case kVecBF16:
+      if constexpr (W >= 4) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          x[2 * j] = __uint_as_float(raw[j] << 16);
+          x[2 * j + 1] = __uint_as_float(raw[j] & 0xffff0000u);
+        }
+      }
+      return;
+    default: break;
+  }
+  if (vi.kind == kVecGeneric) {
+    generic_decode8(T, page, tp, h, H, D, d0, x);
+    return;
+  }
+  // Scaled formats: the group box of channel d0 (and, for one-channel groups, the next 7).
+  const int box = (vi.gt_shift >= 0 ? tp >> vi.gt_shift : tp / vi.gt) * vi.nhnc + mb;
+  const bool f16 = T.f16meta != 0;
+  float s[8], z[8];
+  if (vi.consecutive_meta) {
+    meta8(page + T.scales, f16, box, s);
+    if (T.has_zeros) {
+      meta8(page + T.zeros, f16, box, z);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) z[j] = 0.f;
+    }
+  } else {
+    const float s0 = meta_at(page + T.scales, f16, box);
+    const float z0 = T.has_zeros ? meta_at(page + T.zeros, f16, box) : 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      s[j] = s0;
+      z[j] = z0;
+    }
+  }
+  if (vi.kind == kVecFp8) {
+    if constexpr (W >= 2) {
+      const __nv_fp8_interpretation_t fi = T.e5m2 ? __NV_E5M2 : __NV_E4M3;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const auto pair = static_cast<__nv_fp8x2_storage_t>((raw[j / 2] >> (16 * (j % 2))) & 0xffffu);
+        const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pair, fi);
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+        // decode(code) * scale, one rounding (elem::fp8_decode_scaled)
+        x[2 * j] = __fmul_rn(f.x, s[2 * j]);
+        x[2 * j + 1] = __fmul_rn(f.y, s[2 * j + 1]);
+      }
+    }
+    return;
+  }
+  // int: fma(code - off, scale, zero) (uniform_decode); code - off exactly, as
+  // float(2^23 + code) - (2^23 + off).
+  const float bias = 8388608.0f + T.off;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    uint32_t c;
+    if (vi.kind == kVecInt4) {
+      c = (raw[0] >> (4 * j)) & 0xfu;
+    } else if (vi.kind == kVecInt2) {
+      c = (raw[0] >> (2 * j)) & 0x3u;
+    } else if constexpr (W >= 2) {
+      c = (raw[j / 4] >> (8 * (j % 4))) & 0xffu;
+    } else {
+      c = 0u;  // (int8 always comes with W >= 2)
+    }
+    x[j] = fmaf(__fsub_rn(__uint_as_float(0x4b000000u | c), bias), s[j], z[j]);
+  }
+}
+
+/// The tiled split kernel. grid = (splits, kv_heads * group_chunks, batch), block =
+/// kDecodeWarps * 32. LPT: lanes per token (a power of two, 8 * LPT >= head_dim); GM: query
+/// heads per CTA (>= this launch's per-CTA group); NS: warp steps per chunk; W: 32-bit words a
+/// lane prefetches per token and tensor (>= both VecInfo::words). Writes the split's (m, l, acc)
+/// as decode_merge_kernel reads them.
+template <int LPT, int GM, int NS, int W>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
-    decode_split_kernel(PagedDesc L, const float* q, const std::byte* const* pages,
-                        const int32_t* page_indptr, const int32_t* seq_tokens, int q_heads,
-                        int group, int split_tokens, int splits, float sm_scale, float* part_acc,
-                        float* part_ml) {
-  constexpr int kE = kMaxHeadDim / 32;
-  __shared__ float q_s[kMaxGroupPerCta][kMaxHeadDim];
-  __shared__ float m_s[kDecodeWarps][kMaxGroupPerCta];
-  __shared__ float l_s[kDecodeWarps][kMaxGroupPerCta];
-  __shared__ float acc_s[kDecodeWarps][kMaxHeadDim];
+    decode_tile_kernel(const __grid_constant__ PagedDesc L, VecInfo kvi, VecInfo vvi,
+                       const float* q, const std::byte* const* pages, const int32_t* page_indptr,
+                       const int32_t* seq_tokens, int q_heads, int group, int gm_per_cta,
+                       int split_tokens, int splits, int p_shift, float sm_scale,
+                       float* part_acc, float* part_ml) {
+  constexpr int TPW = 32 / LPT;       // tokens per warp step
+  constexpr int CH = TPW * NS;        // tokens per chunk
+  __shared__ float q_s[GM][8 * LPT];  // this CTA's queries (rotated for Lloyd-Max keys)
+  __shared__ float m_s[kDecodeWarps][GM];
+  __shared__ float l_s[kDecodeWarps][GM];
+  __shared__ float acc_s[kDecodeWarps][8 * LPT];
 
   const int D = static_cast<int>(L.D);
   const int H = static_cast<int>(L.H);
+  const int P = static_cast<int>(L.P);
   const int s = blockIdx.x;
-  const int chunks = (group + kMaxGroupPerCta - 1) / kMaxGroupPerCta;
+  const int chunks = (group + gm_per_cta - 1) / gm_per_cta;
   const int hk = blockIdx.y / chunks;
-  const int g0 = (blockIdx.y % chunks) * kMaxGroupPerCta;
-  const int G = min(kMaxGroupPerCta, group - g0);
+  const int g0 = (blockIdx.y % chunks) * gm_per_cta;
+  const int G = min(gm_per_cta, group - g0);
   const int b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int64_t T = seq_tokens[b];
-  const int64_t t_begin = static_cast<int64_t>(s) * split_tokens;
-  const int64_t t_end = (s == splits - 1) ? T : min(T, t_begin + split_tokens);
+  const int sub = lane % LPT;  // lane within its token group
+  const int slot = lane / LPT;  // token group within the warp step
+  const int d0 = sub * 8;
+  const int T = seq_tokens[b];
+  const int t_begin = s * split_tokens;
+  const int t_end = (s == splits - 1) ? T : min(T, t_begin + split_tokens);
   const std::byte* const* seq_pages = pages + page_indptr[b];
+  const int kmb = (hk / kvi.gh) * kvi.nc + d0 / kvi.gc;
+  const int vmb = (hk / vvi.gh) * vvi.nc + d0 / vvi.gc;
 
-  // Queries of this CTA's heads (rotated for Lloyd-Max keys).
-  for (int g = 0; g < G; ++g) {
+  for (int g = 0; g < GM; ++g) {
     const int hq = hk * group + g0 + g;
-    for (int d = threadIdx.x; d < D; d += blockDim.x)
-      q_s[g][d] = q[(static_cast<int64_t>(b) * q_heads + hq) * D + d];
+    for (int d = threadIdx.x; d < 8 * LPT; d += blockDim.x)
+      q_s[g][d] = (g < G && d < D) ? q[(static_cast<int64_t>(b) * q_heads + hq) * D + d] : 0.f;
   }
   __syncthreads();
   if (L.k.is_lm()) {
     for (int g = 0; g < G; ++g) block_rotate(q_s[g], D, L.k, false);
   }
-
-  float m[kMaxGroupPerCta], l[kMaxGroupPerCta], acc[kMaxGroupPerCta][kE];
+  float qr[GM][8];
 #pragma unroll
-  for (int g = 0; g < kMaxGroupPerCta; ++g) {
+  for (int g = 0; g < GM; ++g)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) qr[g][j] = q_s[g][d0 + j] * sm_scale;
+
+  float m[GM], l[GM], acc[GM][8];
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
     m[g] = -INFINITY;
     l[g] = 0.f;
 #pragma unroll
-    for (int e = 0; e < kE; ++e) acc[g][e] = 0.f;
+    for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
   }
-  for (int64_t t = t_begin + warp; t < t_end; t += kDecodeWarps) {
-    const auto* page = reinterpret_cast<const uint8_t*>(seq_pages[t / L.P]);
-    const int64_t tp = t % L.P;
-    float kv[kE], vv[kE];
+
+  for (int c0 = t_begin + warp * CH; c0 < t_end; c0 += kDecodeWarps * CH) {
+    uint32_t rk[NS][W], rv[NS][W];
 #pragma unroll
-    for (int e = 0; e < kE; ++e) {
-      const int d = e * 32 + lane;
-      kv[e] = d < D ? load_element(L.k, page, H, D, tp, hk, d) : 0.f;
-      vv[e] = d < D ? load_element(L.v, page, H, D, tp, hk, d) : 0.f;
+    for (int i = 0; i < NS; ++i) {
+      const int t = c0 + i * TPW + slot;
+#pragma unroll
+      for (int w = 0; w < W; ++w) rk[i][w] = rv[i][w] = 0u;
+      if (t < t_end && d0 < D) {
+        const int pi = p_shift >= 0 ? t >> p_shift : t / P;
+        const auto* pg = reinterpret_cast<const uint8_t*>(seq_pages[pi]);
+        const int r = (t - pi * P) * H + hk;
+        vec_load<W>(kvi, L.k, pg, r, D, d0, rk[i]);
+        vec_load<W>(vvi, L.v, pg, r, D, d0, rv[i]);
+      }
     }
+    // (page and page-local token of step i, recomputed where needed: registers are the limit)
+    auto page_of = [&](int i, int* tp) {
+      const int t = c0 + i * TPW + slot;
+      const int pi = p_shift >= 0 ? t >> p_shift : t / P;
+      *tp = t - pi * P;
+      return reinterpret_cast<const uint8_t*>(seq_pages[pi]);
+    };
+    // Scores of the chunk's tokens (every lane of a token group ends with the token's score).
+    float sc[NS][GM];
+    float cmax[GM];
 #pragma unroll
-    for (int g = 0; g < kMaxGroupPerCta; ++g) {
-      if (g < G) {
+    for (int g = 0; g < GM; ++g) cmax[g] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < NS; ++i) {
+      float kx[8];
+      const bool valid = c0 + i * TPW + slot < t_end;
+      if (valid && d0 < D) {
+        int tp;
+        const uint8_t* pg = page_of(i, &tp);
+        vec_decode<W>(kvi, L.k, pg, tp, hk, H, D, d0, kmb, rk[i], kx);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) kx[j] = 0.f;
+      }
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
         float part = 0.f;
 #pragma unroll
-        for (int e = 0; e < kE; ++e) {
-          const int d = e * 32 + lane;
-          if (d < D) part = fmaf(q_s[g][d], kv[e], part);
-        }
-        const float score = warp_sum(part) * sm_scale;
-        const float mn = fmaxf(m[g], score);
-        const float corr = expf(m[g] - mn);  // 0 on the first token (m = -inf)
-        const float p = expf(score - mn);
-        l[g] = l[g] * corr + p;
+        for (int j = 0; j < 8; ++j) part = fmaf(qr[g][j], kx[j], part);
 #pragma unroll
-        for (int e = 0; e < kE; ++e) acc[g][e] = acc[g][e] * corr + p * vv[e];
-        m[g] = mn;
+        for (int o = LPT / 2; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+        sc[i][g] = valid ? part : -INFINITY;
+        cmax[g] = fmaxf(cmax[g], sc[i][g]);
       }
+    }
+    // Online softmax, once per chunk: the chunk max over the warp's token groups.
+#pragma unroll
+    for (int g = 0; g < GM; ++g) {
+#pragma unroll
+      for (int o = 16; o >= LPT; o >>= 1) cmax[g] = fmaxf(cmax[g], __shfl_xor_sync(0xffffffffu, cmax[g], o));
+      const float mn = fmaxf(m[g], cmax[g]);  // finite: the chunk holds a token
+      const float corr = __expf(m[g] - mn);    // 0 on the first chunk (m = -inf)
+      m[g] = mn;
+      l[g] *= corr;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[g][j] *= corr;
+#pragma unroll
+      for (int i = 0; i < NS; ++i) {
+        sc[i][g] = __expf(sc[i][g] - mn);  // 0 for tokens past the split
+        l[g] += sc[i][g];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < NS; ++i) {
+      if (c0 + i * TPW + slot >= t_end || d0 >= D) continue;
+      int tp;
+      const uint8_t* pg = page_of(i, &tp);
+      float vx[8];
+      vec_decode<W>(vvi, L.v, pg, tp, hk, H, D, d0, vmb, rv[i], vx);
+#pragma unroll
+      for (int g = 0; g < GM; ++g)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(sc[i][g], vx[j], acc[g][j]);
     }
   }
 
-  // Merge the warps of the CTA, one query head at a time, and write this split's partials
-  // (unrolled over the fixed bound so m, l and acc stay in registers; G is uniform per CTA).
+  // Sum the warp's token groups (m is uniform across the warp), then merge the warps and
+  // write this split's partials, one query head at a time.
 #pragma unroll
-  for (int g = 0; g < kMaxGroupPerCta; ++g) {
+  for (int g = 0; g < GM; ++g) {
+#pragma unroll
+    for (int o = 16; o >= LPT; o >>= 1) {
+      l[g] += __shfl_xor_sync(0xffffffffu, l[g], o);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[g][j] += __shfl_xor_sync(0xffffffffu, acc[g][j], o);
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < GM; ++g) {
     if (g >= G) break;
     if (lane == 0) {
       m_s[warp][g] = m[g];
@@ -148,11 +462,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     __syncthreads();
     float M = -INFINITY;
     for (int w = 0; w < kDecodeWarps; ++w) M = fmaxf(M, m_s[w][g]);
-    float f = (m[g] == -INFINITY) ? 0.f : expf(m[g] - M);
+    const float f = (m[g] == -INFINITY) ? 0.f : __expf(m[g] - M);
+    if (slot == 0) {
 #pragma unroll
-    for (int e = 0; e < kE; ++e) {
-      const int d = e * 32 + lane;
-      if (d < D) acc_s[warp][d] = acc[g][e] * f;
+      for (int j = 0; j < 8; ++j) acc_s[warp][d0 + j] = acc[g][j] * f;
     }
     __syncthreads();
     const int hq = hk * group + g0 + g;
@@ -165,7 +478,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     if (threadIdx.x == 0) {
       float Lsum = 0.f;
       for (int w = 0; w < kDecodeWarps; ++w)
-        if (m_s[w][g] != -INFINITY) Lsum += l_s[w][g] * expf(m_s[w][g] - M);
+        if (m_s[w][g] != -INFINITY) Lsum += l_s[w][g] * __expf(m_s[w][g] - M);
       part_ml[base * 2] = M;
       part_ml[base * 2 + 1] = Lsum;
     }
@@ -209,7 +522,7 @@ class DecodePlan {
  public:
   /// batch sequences, q_heads query heads (a multiple of the layout's kv_heads), sequences of
   /// at most max_seq_tokens tokens (longer ones are still correct: their last split is
-  /// longer). split_tokens = 0 picks the split so that about 2 x `sm_count` CTAs run (sm_count
+  /// longer). split_tokens = 0 picks the split so that about 4 x `sm_count` CTAs run (sm_count
   /// 0: ask the current device, 132 without one). Throws kUnsupported for layouts the GPU
   /// cannot read (make_paged_desc) and head_dim > 256, kInvalidArgument for bad shapes.
   DecodePlan(const PageLayout& layout, int64_t batch, int64_t q_heads, int64_t max_seq_tokens,
@@ -234,7 +547,7 @@ class DecodePlan {
         if (sm_count <= 0) sm_count = 132;
       }
       const int64_t ctas = batch * L_.H * chunks;
-      int64_t want = (2 * static_cast<int64_t>(sm_count) + ctas - 1) / ctas;
+      int64_t want = (4 * static_cast<int64_t>(sm_count) + ctas - 1) / ctas;
       const int64_t most = (max_seq_tokens + 255) / 256;  // keep >= 256 tokens per split
       want = want < 1 ? 1 : (want > most ? most : want);
       split_tokens = (max_seq_tokens + want - 1) / want;
@@ -268,14 +581,42 @@ class DecodePlan {
     if (!(sm_scale > 0.f)) sm_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(L_.D)));
     float* part_acc = static_cast<float*>(workspace);
     float* part_ml = part_acc + batch_ * q_heads_ * splits_ * L_.D;
-    const int chunks = static_cast<int>((group_ + detail::kMaxGroupPerCta - 1) / detail::kMaxGroupPerCta);
+    const int gm = group_ <= 4 ? static_cast<int>(group_) : detail::kMaxGroupPerCta;
+    const int chunks = static_cast<int>((group_ + gm - 1) / gm);
     const dim3 grid(static_cast<unsigned>(splits_), static_cast<unsigned>(L_.H * chunks),
                     static_cast<unsigned>(batch_));
-    detail::decode_split_kernel<<<grid, detail::kDecodeWarps * 32, 0, stream>>>(
-        L_, q, pages, page_indptr, seq_tokens, static_cast<int>(q_heads_),
-        static_cast<int>(group_), static_cast<int>(split_), static_cast<int>(splits_), sm_scale,
-        part_acc, part_ml);
-    detail::check_launch("kvq::cuda::decode_split_kernel");
+    const detail::VecInfo kvi = detail::vec_info(L_.k, L_.D), vvi = detail::vec_info(L_.v, L_.D);
+    const int words = kvi.words > vvi.words ? kvi.words : vvi.words;
+    int p_shift = -1;
+    for (int sh = 0; sh < 31; ++sh)
+      if ((int64_t{1} << sh) == L_.P) p_shift = sh;
+    const int lpt = L_.D <= 32 ? 4 : (L_.D <= 64 ? 8 : (L_.D <= 128 ? 16 : 32));
+    auto launch = [&](auto kernel) {
+      kernel<<<grid, detail::kDecodeWarps * 32, 0, stream>>>(
+          L_, kvi, vvi, q, pages, page_indptr, seq_tokens, static_cast<int>(q_heads_),
+          static_cast<int>(group_), gm, static_cast<int>(split_), static_cast<int>(splits_),
+          p_shift, sm_scale, part_acc, part_ml);
+    };
+    // Instances: (GM, NS, W) = (4, 8, 1), (4, 8, 2), (4, 4, 4), (8, 4, 4) per LPT.
+    auto by_shape = [&](auto lpt_tag) {
+      constexpr int LPT = decltype(lpt_tag)::value;
+      if (gm > 4) {
+        launch(detail::decode_tile_kernel<LPT, 8, 4, 4>);
+      } else if (words <= 1) {
+        launch(detail::decode_tile_kernel<LPT, 4, 8, 1>);
+      } else if (words == 2) {
+        launch(detail::decode_tile_kernel<LPT, 4, 8, 2>);
+      } else {
+        launch(detail::decode_tile_kernel<LPT, 4, 4, 4>);
+      }
+    };
+    switch (lpt) {
+      case 4: by_shape(std::integral_constant<int, 4>{}); break;
+      case 8: by_shape(std::integral_constant<int, 8>{}); break;
+      case 16: by_shape(std::integral_constant<int, 16>{}); break;
+      default: by_shape(std::integral_constant<int, 32>{}); break;
+    }
+    detail::check_launch("kvq::cuda::decode_tile_kernel");
     detail::decode_merge_kernel<<<dim3(static_cast<unsigned>(q_heads_), static_cast<unsigned>(batch_)),
                                   128, 0, stream>>>(L_, static_cast<int>(q_heads_),
                                                     static_cast<int>(splits_), part_acc, part_ml, out);
