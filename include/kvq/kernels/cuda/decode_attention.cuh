@@ -68,20 +68,21 @@ __device__ inline void block_rotate(float* x, int D, const TensorDesc& X, bool i
 // Tiled decode kernel (the one DecodePlan runs).
 //
 // A CTA of kDecodeWarps warps handles one (sequence, kv head, chunk of <= GM query heads, split
-// of tokens). Inside a warp, LPT lanes share a token (lane i of the group owns channels
-// [8i, 8i + 8)), so a warp step covers 32 / LPT tokens and reads each token's packed row with
-// one vector load per lane (16 bytes of f16, 8 of fp8/int8, 4 of int4, 2 of int2). A warp
-// works on chunks of NS steps: it issues the NS loads of keys and values first (the bytes in
-// flight that hide the memory latency), then scores every token of the chunk for its GM query
-// heads (a butterfly over the LPT lanes of a token), updates the online softmax once per chunk
-// (max over the chunk, one rescale of the accumulators), and accumulates the values. Query
-// heads share every dequantized element (each page byte is read once per GQA group).
+// of tokens), in tiles of TT tokens. The packed key and value rows of a tile are copied into
+// shared memory with asynchronous copies (cp.async, no registers held), double-buffered: tile
+// i + 1 is in flight while tile i is computed; the tile's metadata lines are prefetched into
+// L1 at the same time. Inside a warp, LPT lanes share a token (lane i of the group owns
+// channels [8i, 8i + 8)), so a warp step covers 32 / LPT tokens; a warp scores NS steps of its
+// quarter of the tile for its GM query heads (a butterfly over the LPT lanes of a token),
+// updates the online softmax once per NS steps (one rescale of the accumulators) and
+// accumulates the values. Query heads share every dequantized element (each page byte is read
+// once per GQA group).
 //
-// Formats with a vector path (VecKind): f16, bf16, e4m3/e5m2 and int2/4/8 whose scale groups
-// either hold whole runs of 8 channels (gc % 8 == 0: one scale per lane and token) or are one
-// channel wide (gc == 1: 8 consecutive scales). Everything else (f32, nuq, Lloyd-Max,
-// dense-and-sparse outliers, other groups, head_dim % 8 != 0) reads element by element through
-// load_element (kGeneric), in the same kernel.
+// Formats with a vector path (VecKind, staged in shared memory): f16, bf16, e4m3/e5m2 and
+// int2/4/8 whose scale groups either hold whole runs of 8 channels (gc % 8 == 0: one scale per
+// lane and token) or are one channel wide (gc == 1: 8 consecutive scales). Everything else
+// (f32, nuq, Lloyd-Max, dense-and-sparse outliers, other groups, head_dim % 8 != 0) reads
+// element by element from global memory through load_element (kVecGeneric), in the same kernel.
 // ---------------------------------------------------------------------------------------------
 
 enum VecKind : int32_t { kVecGeneric = 0, kVecF16, kVecBF16, kVecFp8, kVecInt2, kVecInt4, kVecInt8 };
@@ -90,7 +91,9 @@ enum VecKind : int32_t { kVecGeneric = 0, kVecF16, kVecBF16, kVecFp8, kVecInt2, 
 struct VecInfo {
   int32_t kind = kVecGeneric;
   int32_t consecutive_meta = 0;  ///< 1: one scale per channel (gc == 1); 0: one per 8 channels
-  int32_t words = 0;             ///< 32-bit words a lane loads per token (0: none, generic)
+  int32_t words = 0;             ///< 32-bit words of a lane's 8 codes (0: generic, not staged)
+  int32_t row_bytes = 0;         ///< packed bytes of one (token, head) row (staged kinds)
+  int32_t copy_bytes = 16;       ///< cp.async size for the row: 16, 8 or 4 (divides row_bytes)
   // The group box of (t, h, d) in 32-bit arithmetic: ((t / gt) * nh + h / gh) * nc + d / gc.
   int32_t gt = 1, gt_shift = 0;  ///< gt_shift = log2(gt) when gt is a power of two, else -1
   int32_t gh = 1, gc = 1, nc = 1, nhnc = 1;
@@ -103,9 +106,7 @@ inline VecInfo vec_info(const TensorDesc& T, int64_t D) {
   if (f == Format::kF16 || f == Format::kBF16) {
     v.kind = f == Format::kF16 ? kVecF16 : kVecBF16;
     v.words = 4;
-    return v;
-  }
-  if (f == Format::kE4M3 || f == Format::kE5M2) {
+  } else if (f == Format::kE4M3 || f == Format::kE5M2) {
     v.kind = kVecFp8;
     v.words = 2;
   } else if (f == Format::kInt && (T.bits == 2 || T.bits == 4 || T.bits == 8)) {
@@ -114,6 +115,11 @@ inline VecInfo vec_info(const TensorDesc& T, int64_t D) {
   } else {
     return v;
   }
+  const int64_t row = D * (v.kind == kVecF16 || v.kind == kVecBF16 ? 16 : T.bits) / 8;
+  if (row % 4 != 0) return VecInfo{};  // (int2 at head_dim 8: below cp.async's 4 bytes)
+  v.row_bytes = static_cast<int32_t>(row);
+  v.copy_bytes = row % 16 == 0 ? 16 : (row % 8 == 0 ? 8 : 4);
+  if (v.kind == kVecF16 || v.kind == kVecBF16) return v;
   if (T.gc % 8 == 0) {
     v.consecutive_meta = 0;
   } else if (T.gc == 1) {
@@ -132,38 +138,40 @@ inline VecInfo vec_info(const TensorDesc& T, int64_t D) {
   return v;
 }
 
-/// Loads the packed row piece of lane channels [d0, d0 + 8) of element row r = tp * H + h.
-template <int W>
-__device__ __forceinline__ void vec_load(const VecInfo& vi, const TensorDesc& T,
-                                         const uint8_t* page, int r, int D, int d0,
-                                         uint32_t (&raw)[W]) {
-  const uint8_t* codes = page + T.codes;
-  const int i0 = r * D + d0;
-  switch (vi.kind) {
-    case kVecF16:
-    case kVecBF16:
-      if constexpr (W >= 4) {
-        const uint4 u = __ldg(reinterpret_cast<const uint4*>(codes + 2 * i0));
-        raw[0] = u.x;
-        raw[1] = u.y;
-        raw[2] = u.z;
-        raw[3] = u.w;
-      }
-      break;
-    case kVecFp8:
-    case kVecInt8:
-      if constexpr (W >= 2) {
-        const uint2 u = __ldg(reinterpret_cast<const uint2*>(codes + i0));
-        raw[0] = u.x;
-        raw[1] = u.y;
-      }
-      break;
-    case kVecInt4: raw[0] = __ldg(reinterpret_cast<const uint32_t*>(codes + i0 / 2)); break;
-    case kVecInt2:
-      raw[0] = __ldg(reinterpret_cast<const unsigned short*>(codes + i0 / 4));
-      break;
-    default: break;
+/// Asynchronous global -> shared copy of n = 16, 8 or 4 bytes (both addresses n-aligned).
+__device__ __forceinline__ void copy_async(void* smem, const void* gmem, int n) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  if (n == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+  } else if (n == 8) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
   }
+#else
+  if (n == 16) {
+    *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
+  } else if (n == 8) {
+    *static_cast<uint2*>(smem) = *static_cast<const uint2*>(gmem);
+  } else {
+    *static_cast<uint32_t*>(smem) = *static_cast<const uint32_t*>(gmem);
+  }
+#endif
+}
+__device__ __forceinline__ void copy_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+/// Waits until at most one committed group (the newest) is still in flight.
+__device__ __forceinline__ void copy_wait_all_but_one() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group 1;\n" ::);
+#endif
+}
+__device__ __forceinline__ void prefetch_l1(const void* p) {
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p));
 }
 
 __device__ __forceinline__ float meta_at(const uint8_t* base, bool f16, int i) {
@@ -196,9 +204,18 @@ __device__ __forceinline__ void meta8(const uint8_t* base, bool f16, int i, floa
   }
 }
 
+/// Global address of the first metadata slot of (page-local token tp, head h) for a staged
+/// scaled kind (the lines the stage prefetches).
+__device__ __forceinline__ const uint8_t* meta_row(const VecInfo& vi, const TensorDesc& T,
+                                                   const uint8_t* page, int tp, int h) {
+  const int box = ((vi.gt_shift >= 0 ? tp >> vi.gt_shift : tp / vi.gt) * vi.nhnc) +
+                  (h / vi.gh) * vi.nc;
+  return page + T.scales + box * (T.f16meta ? 2 : 4);
+}
+
 /// load_element over channels [d0, d0 + 8) (0 at and past D). Out of line: inlined into every
-/// unrolled step of the tiled kernel, load_element's switch over all formats and outlier scan
-/// would multiply the kernel's code size (ptxas time and instruction cache).
+/// unrolled step of the tiled kernel, load_element's switch over all formats and its outlier
+/// scan would multiply the kernel's code size (ptxas time and instruction cache).
 __device__ __noinline__ void generic_decode8(const TensorDesc& T, const uint8_t* page, int tp,
                                              int h, int H, int D, int d0, float* x) {
   for (int j = 0; j < 8; ++j) {
@@ -208,38 +225,49 @@ __device__ __noinline__ void generic_decode8(const TensorDesc& T, const uint8_t*
 }
 
 /// Dequantizes lane channels [d0, d0 + 8) of page-local token tp, head h (the values of
-/// load_element: same formulas, same roundings) from the raw words vec_load fetched; generic
-/// kinds read through load_element (channels >= D give 0). mb: the lane's part of the box
-/// index, (h / gh) * nc + d0 / gc.
-template <int W>
+/// load_element: same formulas, same roundings). Staged kinds read the lane's codes from the
+/// shared-memory copy of the row (`row`) and their scales from global memory (prefetched);
+/// generic kinds read through load_element (channels >= D give 0). mb: the lane's part of the
+/// box index, (h / gh) * nc + d0 / gc.
 __device__ __forceinline__ void vec_decode(const VecInfo& vi, const TensorDesc& T,
-                                           const uint8_t* page, int tp, int h, int H, int D,
-                                           int d0, int mb, const uint32_t (&raw)[W],
-                                           float (&x)[8]) {
-  switch (vi.kind) {
-    case kVecF16:
-      if constexpr (W >= 4) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw[j]));
-          x[2 * j] = f.x;
-          x[2 * j + 1] = f.y;
-        }
-      }
-      return;
-    case kVecBF16:
-      if constexpr (W >= 4) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          x[2 * j] = __uint_as_float(raw[j] << 16);
-          x[2 * j + 1] = __uint_as_float(raw[j] & 0xffff0000u);
-        }
-      }
-      return;
-    default: break;
-  }
+                                           const uint8_t* row, const uint8_t* page, int tp,
+                                           int h, int H, int D, int d0, int mb, float (&x)[8]) {
   if (vi.kind == kVecGeneric) {
     generic_decode8(T, page, tp, h, H, D, d0, x);
+    return;
+  }
+  uint32_t raw[4];
+  if (vi.words == 4) {
+    const uint4 u = *reinterpret_cast<const uint4*>(row + 2 * d0);
+    raw[0] = u.x;
+    raw[1] = u.y;
+    raw[2] = u.z;
+    raw[3] = u.w;
+  } else if (vi.words == 2) {
+    const uint2 u = *reinterpret_cast<const uint2*>(row + d0);
+    raw[0] = u.x;
+    raw[1] = u.y;
+    raw[2] = raw[3] = 0u;
+  } else {
+    raw[0] = vi.kind == kVecInt4 ? *reinterpret_cast<const uint32_t*>(row + d0 / 2)
+                                 : *reinterpret_cast<const unsigned short*>(row + d0 / 4);
+    raw[1] = raw[2] = raw[3] = 0u;
+  }
+  if (vi.kind == kVecF16) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw[j]));
+      x[2 * j] = f.x;
+      x[2 * j + 1] = f.y;
+    }
+    return;
+  }
+  if (vi.kind == kVecBF16) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      x[2 * j] = __uint_as_float(raw[j] << 16);
+      x[2 * j + 1] = __uint_as_float(raw[j] & 0xffff0000u);
+    }
     return;
   }
   // Scaled formats: the group box of channel d0 (and, for one-channel groups, the next 7).
@@ -264,17 +292,15 @@ __device__ __forceinline__ void vec_decode(const VecInfo& vi, const TensorDesc& 
     }
   }
   if (vi.kind == kVecFp8) {
-    if constexpr (W >= 2) {
-      const __nv_fp8_interpretation_t fi = T.e5m2 ? __NV_E5M2 : __NV_E4M3;
+    const __nv_fp8_interpretation_t fi = T.e5m2 ? __NV_E5M2 : __NV_E4M3;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const auto pair = static_cast<__nv_fp8x2_storage_t>((raw[j / 2] >> (16 * (j % 2))) & 0xffffu);
-        const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pair, fi);
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
-        // decode(code) * scale, one rounding (elem::fp8_decode_scaled)
-        x[2 * j] = __fmul_rn(f.x, s[2 * j]);
-        x[2 * j + 1] = __fmul_rn(f.y, s[2 * j + 1]);
-      }
+    for (int j = 0; j < 4; ++j) {
+      const auto pair = static_cast<__nv_fp8x2_storage_t>((raw[j / 2] >> (16 * (j % 2))) & 0xffffu);
+      const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pair, fi);
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+      // decode(code) * scale, one rounding (elem::fp8_decode_scaled)
+      x[2 * j] = __fmul_rn(f.x, s[2 * j]);
+      x[2 * j + 1] = __fmul_rn(f.y, s[2 * j + 1]);
     }
     return;
   }
@@ -288,29 +314,30 @@ __device__ __forceinline__ void vec_decode(const VecInfo& vi, const TensorDesc& 
       c = (raw[0] >> (4 * j)) & 0xfu;
     } else if (vi.kind == kVecInt2) {
       c = (raw[0] >> (2 * j)) & 0x3u;
-    } else if constexpr (W >= 2) {
-      c = (raw[j / 4] >> (8 * (j % 4))) & 0xffu;
     } else {
-      c = 0u;  // (int8 always comes with W >= 2)
+      c = (raw[j / 4] >> (8 * (j % 4))) & 0xffu;
     }
     x[j] = fmaf(__fsub_rn(__uint_as_float(0x4b000000u | c), bias), s[j], z[j]);
   }
 }
 
 /// The tiled split kernel. grid = (splits, kv_heads * group_chunks, batch), block =
-/// kDecodeWarps * 32. LPT: lanes per token (a power of two, 8 * LPT >= head_dim); GM: query
-/// heads per CTA (>= this launch's per-CTA group); NS: warp steps per chunk; W: 32-bit words a
-/// lane prefetches per token and tensor (>= both VecInfo::words). Writes the split's (m, l, acc)
-/// as decode_merge_kernel reads them.
-template <int LPT, int GM, int NS, int W>
+/// kDecodeWarps * 32, dynamic shared memory 2 * TT * (k row + v row bytes of staged kinds).
+/// LPT: lanes per token (a power of two, 8 * LPT >= head_dim); GM: query heads per CTA (>= this
+/// launch's per-CTA group). TT: tokens per tile, a multiple of kDecodeWarps * kDecodeNs * 32 /
+/// LPT. Writes the split's (m, l, acc) as decode_merge_kernel reads them.
+inline constexpr int kDecodeNs = 4;  ///< warp steps per online-softmax update
+
+template <int LPT, int GM>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
-    decode_tile_kernel(const __grid_constant__ PagedDesc L, VecInfo kvi, VecInfo vvi,
+    decode_tile_kernel(const __grid_constant__ PagedDesc L, VecInfo kvi, VecInfo vvi, int TT,
                        const float* q, const std::byte* const* pages, const int32_t* page_indptr,
                        const int32_t* seq_tokens, int q_heads, int group, int gm_per_cta,
                        int split_tokens, int splits, int p_shift, float sm_scale,
                        float* part_acc, float* part_ml) {
-  constexpr int TPW = 32 / LPT;       // tokens per warp step
-  constexpr int CH = TPW * NS;        // tokens per chunk
+  constexpr int TPW = 32 / LPT;  // tokens per warp step
+  constexpr int NS = kDecodeNs;
+  extern __shared__ __align__(16) uint8_t tile_s[];
   __shared__ float q_s[GM][8 * LPT];  // this CTA's queries (rotated for Lloyd-Max keys)
   __shared__ float m_s[kDecodeWarps][GM];
   __shared__ float l_s[kDecodeWarps][GM];
@@ -326,7 +353,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int G = min(gm_per_cta, group - g0);
   const int b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  const int sub = lane % LPT;  // lane within its token group
+  const int sub = lane % LPT;   // lane within its token group
   const int slot = lane / LPT;  // token group within the warp step
   const int d0 = sub * 8;
   const int T = seq_tokens[b];
@@ -335,6 +362,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const std::byte* const* seq_pages = pages + page_indptr[b];
   const int kmb = (hk / kvi.gh) * kvi.nc + d0 / kvi.gc;
   const int vmb = (hk / vvi.gh) * vvi.nc + d0 / vvi.gc;
+  const int krow = kvi.row_bytes, vrow = vvi.row_bytes;  // 0 for generic (not staged)
+  const int stage_bytes = TT * (krow + vrow);
 
   for (int g = 0; g < GM; ++g) {
     const int hq = hk * group + g0 + g;
@@ -360,85 +389,133 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
   }
 
-  for (int c0 = t_begin + warp * CH; c0 < t_end; c0 += kDecodeWarps * CH) {
-    uint32_t rk[NS][W], rv[NS][W];
-#pragma unroll
-    for (int i = 0; i < NS; ++i) {
-      const int t = c0 + i * TPW + slot;
-#pragma unroll
-      for (int w = 0; w < W; ++w) rk[i][w] = rv[i][w] = 0u;
-      if (t < t_end && d0 < D) {
-        const int pi = p_shift >= 0 ? t >> p_shift : t / P;
-        const auto* pg = reinterpret_cast<const uint8_t*>(seq_pages[pi]);
-        const int r = (t - pi * P) * H + hk;
-        vec_load<W>(kvi, L.k, pg, r, D, d0, rk[i]);
-        vec_load<W>(vvi, L.v, pg, r, D, d0, rv[i]);
+  auto page_of = [&](int t, int* tp) {
+    const int pi = p_shift >= 0 ? t >> p_shift : t / P;
+    *tp = t - pi * P;
+    return reinterpret_cast<const uint8_t*>(seq_pages[pi]);
+  };
+  // Issues the copies of tile `tile` (tokens t0 .. t0 + TT) into buffer `buf` (one commit
+  // group; empty when the tile is past the split) and prefetches its metadata lines.
+  auto stage = [&](int tile, int buf) {
+    const int t0 = t_begin + tile * TT;
+    if (stage_bytes > 0 && t0 < t_end) {
+      uint8_t* kb = tile_s + buf * stage_bytes;
+      uint8_t* vb = kb + TT * krow;
+      const int n = min(TT, t_end - t0);
+      if (krow > 0) {
+        const int per = krow / kvi.copy_bytes;
+        for (int i = threadIdx.x; i < n * per; i += blockDim.x) {
+          const int tt = i / per, c = (i - tt * per) * kvi.copy_bytes;
+          int tp;
+          const uint8_t* pg = page_of(t0 + tt, &tp);
+          copy_async(kb + tt * krow + c, pg + L.k.codes + (tp * H + hk) * krow + c, kvi.copy_bytes);
+        }
       }
-    }
-    // (page and page-local token of step i, recomputed where needed: registers are the limit)
-    auto page_of = [&](int i, int* tp) {
-      const int t = c0 + i * TPW + slot;
-      const int pi = p_shift >= 0 ? t >> p_shift : t / P;
-      *tp = t - pi * P;
-      return reinterpret_cast<const uint8_t*>(seq_pages[pi]);
-    };
-    // Scores of the chunk's tokens (every lane of a token group ends with the token's score).
-    float sc[NS][GM];
-    float cmax[GM];
-#pragma unroll
-    for (int g = 0; g < GM; ++g) cmax[g] = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < NS; ++i) {
-      float kx[8];
-      const bool valid = c0 + i * TPW + slot < t_end;
-      if (valid && d0 < D) {
+      if (vrow > 0) {
+        const int per = vrow / vvi.copy_bytes;
+        for (int i = threadIdx.x; i < n * per; i += blockDim.x) {
+          const int tt = i / per, c = (i - tt * per) * vvi.copy_bytes;
+          int tp;
+          const uint8_t* pg = page_of(t0 + tt, &tp);
+          copy_async(vb + tt * vrow + c, pg + L.v.codes + (tp * H + hk) * vrow + c, vvi.copy_bytes);
+        }
+      }
+      // Metadata: the first line of each token's scales (and zeros) for this head; one-channel
+      // groups span D slots: every line of them.
+      for (int tt = threadIdx.x; tt < n; tt += blockDim.x) {
         int tp;
-        const uint8_t* pg = page_of(i, &tp);
-        vec_decode<W>(kvi, L.k, pg, tp, hk, H, D, d0, kmb, rk[i], kx);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) kx[j] = 0.f;
-      }
-#pragma unroll
-      for (int g = 0; g < GM; ++g) {
-        float part = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) part = fmaf(qr[g][j], kx[j], part);
-#pragma unroll
-        for (int o = LPT / 2; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-        sc[i][g] = valid ? part : -INFINITY;
-        cmax[g] = fmaxf(cmax[g], sc[i][g]);
+        const uint8_t* pg = page_of(t0 + tt, &tp);
+        for (int w = 0; w < 2; ++w) {
+          const VecInfo& vi = w == 0 ? kvi : vvi;
+          const TensorDesc& X = w == 0 ? L.k : L.v;
+          if (vi.row_bytes == 0 || vi.kind == kVecF16 || vi.kind == kVecBF16) continue;
+          const uint8_t* ms = meta_row(vi, X, pg, tp, hk);
+          const int span = vi.consecutive_meta ? D * (X.f16meta ? 2 : 4) : 1;
+          for (int o = 0; o < span; o += 128) {
+            prefetch_l1(ms + o);
+            if (X.has_zeros) prefetch_l1(ms + (X.zeros - X.scales) + o);
+          }
+        }
       }
     }
-    // Online softmax, once per chunk: the chunk max over the warp's token groups.
+    copy_commit();
+  };
+
+  const int tiles = t_end > t_begin ? (t_end - t_begin + TT - 1) / TT : 0;
+  stage(0, 0);
+  for (int tile = 0; tile < tiles; ++tile) {
+    stage(tile + 1, (tile + 1) & 1);
+    copy_wait_all_but_one();
+    __syncthreads();
+    const uint8_t* kb = tile_s + (tile & 1) * stage_bytes;
+    const uint8_t* vb = kb + TT * krow;
+    const int t0 = t_begin + tile * TT;
+    // This warp's quarter of the tile, NS steps (NS * TPW tokens) per softmax update.
+    const int per_warp = TT / kDecodeWarps;
+    for (int c = 0; c < per_warp; c += NS * TPW) {
+      const int tt0 = warp * per_warp + c;
+      if (t0 + tt0 >= t_end) break;
+      float sc[NS][GM];
+      float cmax[GM];
 #pragma unroll
-    for (int g = 0; g < GM; ++g) {
-#pragma unroll
-      for (int o = 16; o >= LPT; o >>= 1) cmax[g] = fmaxf(cmax[g], __shfl_xor_sync(0xffffffffu, cmax[g], o));
-      const float mn = fmaxf(m[g], cmax[g]);  // finite: the chunk holds a token
-      const float corr = __expf(m[g] - mn);    // 0 on the first chunk (m = -inf)
-      m[g] = mn;
-      l[g] *= corr;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[g][j] *= corr;
+      for (int g = 0; g < GM; ++g) cmax[g] = -INFINITY;
 #pragma unroll
       for (int i = 0; i < NS; ++i) {
-        sc[i][g] = __expf(sc[i][g] - mn);  // 0 for tokens past the split
-        l[g] += sc[i][g];
+        const int tt = tt0 + i * TPW + slot;
+        const bool valid = t0 + tt < t_end;
+        float kx[8];
+        if (valid && d0 < D) {
+          int tp;
+          const uint8_t* pg = page_of(t0 + tt, &tp);
+          vec_decode(kvi, L.k, kb + tt * krow, pg, tp, hk, H, D, d0, kmb, kx);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) kx[j] = 0.f;
+        }
+#pragma unroll
+        for (int g = 0; g < GM; ++g) {
+          float part = 0.f;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) part = fmaf(qr[g][j], kx[j], part);
+#pragma unroll
+          for (int o = LPT / 2; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+          sc[i][g] = valid ? part : -INFINITY;
+          cmax[g] = fmaxf(cmax[g], sc[i][g]);
+        }
+      }
+      // Online softmax, once per NS steps: the max over the warp's token groups.
+#pragma unroll
+      for (int g = 0; g < GM; ++g) {
+#pragma unroll
+        for (int o = 16; o >= LPT; o >>= 1)
+          cmax[g] = fmaxf(cmax[g], __shfl_xor_sync(0xffffffffu, cmax[g], o));
+        const float mn = fmaxf(m[g], cmax[g]);  // finite: token tt0 is in the split
+        const float corr = __expf(m[g] - mn);    // 0 on the first update (m = -inf)
+        m[g] = mn;
+        l[g] *= corr;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[g][j] *= corr;
+#pragma unroll
+        for (int i = 0; i < NS; ++i) {
+          sc[i][g] = __expf(sc[i][g] - mn);  // 0 for tokens past the split
+          l[g] += sc[i][g];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < NS; ++i) {
+        const int tt = tt0 + i * TPW + slot;
+        if (t0 + tt >= t_end || d0 >= D) continue;
+        int tp;
+        const uint8_t* pg = page_of(t0 + tt, &tp);
+        float vx[8];
+        vec_decode(vvi, L.v, vb + tt * vrow, pg, tp, hk, H, D, d0, vmb, vx);
+#pragma unroll
+        for (int g = 0; g < GM; ++g)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(sc[i][g], vx[j], acc[g][j]);
       }
     }
-#pragma unroll
-    for (int i = 0; i < NS; ++i) {
-      if (c0 + i * TPW + slot >= t_end || d0 >= D) continue;
-      int tp;
-      const uint8_t* pg = page_of(i, &tp);
-      float vx[8];
-      vec_decode<W>(vvi, L.v, pg, tp, hk, H, D, d0, vmb, rv[i], vx);
-#pragma unroll
-      for (int g = 0; g < GM; ++g)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[g][j] = fmaf(sc[i][g], vx[j], acc[g][j]);
-    }
+    __syncthreads();  // the buffer is refilled by the next iteration's stage
   }
 
   // Sum the warp's token groups (m is uniform across the warp), then merge the warps and
@@ -586,28 +663,33 @@ class DecodePlan {
     const dim3 grid(static_cast<unsigned>(splits_), static_cast<unsigned>(L_.H * chunks),
                     static_cast<unsigned>(batch_));
     const detail::VecInfo kvi = detail::vec_info(L_.k, L_.D), vvi = detail::vec_info(L_.v, L_.D);
-    const int words = kvi.words > vvi.words ? kvi.words : vvi.words;
     int p_shift = -1;
     for (int sh = 0; sh < 31; ++sh)
       if ((int64_t{1} << sh) == L_.P) p_shift = sh;
     const int lpt = L_.D <= 32 ? 4 : (L_.D <= 64 ? 8 : (L_.D <= 128 ? 16 : 32));
+    // Tile: ~16 KiB of staged rows per buffer, a whole number of NS-step rounds of every warp.
+    const int unit = detail::kDecodeWarps * detail::kDecodeNs * (32 / lpt);
+    const int row = kvi.row_bytes + vvi.row_bytes;
+    int tt = unit;
+    while (row > 0 && tt * 2 * row <= 16384 && tt < 256) tt *= 2;
+    if (row == 0) tt = 4 * unit;
+    const std::size_t smem = static_cast<std::size_t>(2 * tt * row);
     auto launch = [&](auto kernel) {
-      kernel<<<grid, detail::kDecodeWarps * 32, 0, stream>>>(
-          L_, kvi, vvi, q, pages, page_indptr, seq_tokens, static_cast<int>(q_heads_),
+      if (smem > 48 * 1024)
+        detail::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(smem)),
+                           "kvq::cuda::decode_tile_kernel (shared memory)");
+      kernel<<<grid, detail::kDecodeWarps * 32, smem, stream>>>(
+          L_, kvi, vvi, tt, q, pages, page_indptr, seq_tokens, static_cast<int>(q_heads_),
           static_cast<int>(group_), gm, static_cast<int>(split_), static_cast<int>(splits_),
           p_shift, sm_scale, part_acc, part_ml);
     };
-    // Instances: (GM, NS, W) = (4, 8, 1), (4, 8, 2), (4, 4, 4), (8, 4, 4) per LPT.
     auto by_shape = [&](auto lpt_tag) {
       constexpr int LPT = decltype(lpt_tag)::value;
       if (gm > 4) {
-        launch(detail::decode_tile_kernel<LPT, 8, 4, 4>);
-      } else if (words <= 1) {
-        launch(detail::decode_tile_kernel<LPT, 4, 8, 1>);
-      } else if (words == 2) {
-        launch(detail::decode_tile_kernel<LPT, 4, 8, 2>);
+        launch(detail::decode_tile_kernel<LPT, 8>);
       } else {
-        launch(detail::decode_tile_kernel<LPT, 4, 4, 4>);
+        launch(detail::decode_tile_kernel<LPT, 4>);
       }
     };
     switch (lpt) {
