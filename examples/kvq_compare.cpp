@@ -22,8 +22,10 @@
 // the nuq schemes are skipped (and the output says why): calibrating on the evaluation data
 // would leak it.
 //
-// Writes <out>/compare.csv, <out>/compare.json and <out>/compare.svg (error vs effective bits,
-// Pareto front marked).
+// Prints a table of at most 120 columns (numbers first, rows grouped by code width and sorted
+// best first; print_compare_table) and writes <out>/compare.csv, <out>/compare.json (every
+// field, the policy spec included; field names are stable) and <out>/compare.svg (error vs
+// effective bits, Pareto front marked). docs/compare.md describes the output.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
