@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # kvq's one entry point for a fresh Debian/Ubuntu machine.
 #   ./kvq.sh compare [args]  install what is missing, build, run the geometry-vs-bits comparison
-#   ./kvq.sh test            install what is missing, build, run the whole test suite (ctest),
-#                            then the kernel tests (SIMD paths and their KVQ_NO_SIMD scalar
-#                            twins) under AddressSanitizer + UndefinedBehaviorSanitizer, then the
-#                            concurrency tests under ThreadSanitizer
+#   ./kvq.sh test            everything CI runs (.ci/run is this command): fetch the models the
+#                            tests need (SmolLM2; see `model`), install what is missing, build,
+#                            run the whole test suite (ctest), then the kernel tests (SIMD paths
+#                            and their KVQ_NO_SIMD scalar twins) under AddressSanitizer +
+#                            UndefinedBehaviorSanitizer, the concurrency tests under
+#                            ThreadSanitizer, the Python module (`python`, one variant for this
+#                            CPU) and the fuzz smoke (`fuzz 10`); stops at the first failure
 #   ./kvq.sh bench [args]    build and run kvq_bench (Google Benchmark; args passed through),
 #                            5 repetitions, JSON in $build/bench.json, then the median / ratio
 #                            to BM_Memcpy table (kvq_bench_report)
@@ -19,8 +22,13 @@
 #                            check its SHA-256 and print its path; skips the download when the
 #                            verified file is already there
 # Environment: KVQ_BUILD_DIR (default build), KVQ_JOBS (default nproc),
-#              KVQ_SKIP_SANITIZE=1 skips the sanitizer passes of `test`.
 #              KVQ_MODEL_DIR (default ~/.cache/kvq/models): where `model` keeps models.
+#   For `test` (each defaults to 0; CI sets none of them):
+#              KVQ_SKIP_SANITIZE=1 skips the ASan/UBSan and TSan passes,
+#              KVQ_SKIP_PYTHON=1 the Python step, KVQ_SKIP_FUZZ=1 the fuzz smoke,
+#              KVQ_SKIP_MODELS=1 the model fetch (the model tests then skip, or fail on CI).
+#              A model that cannot be fetched fails `test` when CI=true; elsewhere its tests
+#              skip with a warning.
 set -euo pipefail
 cd "$(dirname "$0")"
 here=$(pwd)
@@ -83,6 +91,17 @@ case "$cmd" in
     "$build/bench/kvq_bench_report" "$build/bench.json"
     ;;
   test)
+    # 0. The models the tests run (SmolLM2, GGUF), fetched once into the model cache before the
+    #    configure step (examples/CMakeLists.txt adds the model tests when the file is there).
+    if [ "${KVQ_SKIP_MODELS:-0}" = "1" ]; then
+      echo "kvq: KVQ_SKIP_MODELS=1: not fetching SmolLM2; its tests will skip" >&2
+    elif ! "$here/kvq.sh" model smollm2 >/dev/null; then
+      if [ "${CI:-}" = "true" ]; then
+        echo "kvq: could not fetch SmolLM2 (./kvq.sh model smollm2); on CI that fails the run" >&2
+        exit 1
+      fi
+      echo "kvq: warning: SmolLM2 not fetched (registry unreachable?); its tests will skip" >&2
+    fi
     need_pkgs
     sanitize=1
     [ "${KVQ_SKIP_SANITIZE:-0}" = "1" ] && sanitize=0
@@ -123,6 +142,23 @@ case "$cmd" in
         -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g -DKVQ_NO_SIMD=1" -DKVQ_TSAN=ON -DKVQ_BUILD_BENCH=OFF -DKVQ_CUDA=OFF
       (cd "${build}-tsan" && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
         ctest --output-on-failure -R '^test_concurrency$')
+    fi
+    # 3. The Python module (python/): fresh venv, build tools from PyPI, build, pytest (no tests
+    #    collected = failure). One module variant (this CPU); a release wheel builds
+    #    avx512/avx2/baseline (docs/python.md).
+    if [ "${KVQ_SKIP_PYTHON:-0}" = "1" ]; then
+      echo "kvq: KVQ_SKIP_PYTHON=1: Python step skipped" >&2
+    else
+      echo "kvq: Python step (./kvq.sh python)" >&2
+      KVQ_PY_VARIANTS=${KVQ_PY_VARIANTS:-native} "$here/kvq.sh" python
+    fi
+    # 4. libFuzzer smoke: every fuzz target 10 s from its seed corpus (docs/reliability.md); any
+    #    crash, leak, sanitizer report or timeout fails.
+    if [ "${KVQ_SKIP_FUZZ:-0}" = "1" ]; then
+      echo "kvq: KVQ_SKIP_FUZZ=1: fuzz smoke skipped" >&2
+    else
+      echo "kvq: fuzz smoke (./kvq.sh fuzz 10)" >&2
+      "$here/kvq.sh" fuzz 10
     fi
     ;;
   fuzz)

@@ -22,10 +22,13 @@
 // the nuq schemes are skipped (and the output says why): calibrating on the evaluation data
 // would leak it.
 //
-// Writes <out>/compare.csv, <out>/compare.json and <out>/compare.svg (error vs effective bits,
-// Pareto front marked).
+// Prints a table of at most 120 columns (numbers first, rows grouped by code width and sorted
+// best first; print_compare_table) and writes <out>/compare.csv, <out>/compare.json (every
+// field, the policy spec included; field names are stable) and <out>/compare.svg (error vs
+// effective bits, Pareto front marked). docs/compare.md describes the output.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -444,6 +447,99 @@ std::string calibrate_grid(std::vector<Scheme>& grid, const kvq_tools::Calibrati
   return all;
 }
 
+/// Width of one side's codes: the format's bits (16 for f16/bf16, 32 for f32, 8 for fp8), plus
+/// the QJL residual's bit.
+int code_bits(const kvq::QuantConfig& c) {
+  switch (c.format) {
+    case kvq::Format::kF32:
+      return 32;
+    case kvq::Format::kF16:
+    case kvq::Format::kBF16:
+      return 16;
+    case kvq::Format::kE4M3:
+    case kvq::Format::kE5M2:
+      return 8;
+    default:
+      return c.bits + (c.qjl ? 1 : 0);
+  }
+}
+
+/// The terminal table (at most 120 columns): numbers first, then the scheme's name; rows grouped
+/// by code width (K and V), best first within a group by `ykey` (the plot's error), so the
+/// geometries of one width sit next to each other; '*' marks the plot's Pareto front. The spec
+/// strings and the attention-score error are in the CSV/JSON only.
+void print_compare_table(const std::vector<kvq_tools::Row>& rows, const std::vector<Scheme>& grid,
+                         const std::string& ykey, bool with_ppl) {
+  struct Col {
+    const char* head;
+    const char* key;
+    int sig;
+  };
+  std::vector<Col> cols = {{"K mse", "key_rel_mse", 3},
+                           {"V mse", "value_rel_mse", 3},
+                           {"attn KL", "attn_kl", 3},
+                           {"out err", "attn_output_rel_err", 3}};
+  if (with_ppl) {
+    cols.push_back({"ppl", "perplexity", 5});
+    cols.push_back({"KL", "kl", 3});
+  }
+  std::vector<double> x, y;
+  for (const auto& r : rows) {
+    x.push_back(r.get("effective_bits"));
+    y.push_back(std::max(r.get(ykey), 1e-9));
+  }
+  std::vector<bool> front(rows.size(), false);
+  for (size_t i : kvq_tools::pareto_front(x, y)) front[i] = true;
+  // Groups: (K bits, V bits), ordered by their mean, then K bits.
+  std::vector<size_t> order(rows.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  auto kb = [&](size_t i) { return code_bits(grid[i].k); };
+  auto vb = [&](size_t i) { return code_bits(grid[i].v); };
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const int sa = kb(a) + vb(a), sb = kb(b) + vb(b);
+    if (sa != sb) return sa < sb;
+    if (kb(a) != kb(b)) return kb(a) > kb(b);
+    const double ya = rows[a].get(ykey), yb = rows[b].get(ykey);
+    if (std::isnan(ya) || std::isnan(yb)) return !std::isnan(ya) && std::isnan(yb);
+    return ya < yb;
+  });
+  const int w = 8;  // every number column
+  std::string head = "   bits";
+  for (const Col& c : cols)
+    head += "  " + std::string(static_cast<size_t>(w - std::strlen(c.head)), ' ') + c.head;
+  head += "  scheme";
+  std::printf("%s\n", head.c_str());
+  int group = -1;
+  for (size_t i : order) {
+    const int g = kb(i) * 100 + vb(i);
+    if (g != group) {
+      group = g;
+      const std::string label = kb(i) == vb(i) ? "K and V " + std::to_string(kb(i)) + "-bit codes"
+                                               : "K " + std::to_string(kb(i)) + "-bit, V " +
+                                                     std::to_string(vb(i)) + "-bit codes";
+      const size_t dashes = head.size() > label.size() + 4 ? head.size() - label.size() - 4 : 2;
+      std::printf("-- %s %s\n", label.c_str(), std::string(dashes, '-').c_str());
+    }
+    std::printf("%s%6.2f", front[i] ? "*" : " ", rows[i].get("effective_bits"));
+    for (const Col& c : cols)
+      std::printf("  %*s", w, kvq_tools::fmt_sig(rows[i].get(c.key), c.sig).c_str());
+    std::printf("  %s\n", rows[i].get_text("scheme").c_str());
+  }
+  std::printf(
+      "\nbits: effective bits per value (K and V, every metadata byte included, checked against "
+      "the packed bytes)\n"
+      "K mse, V mse: relative MSE of the keys and values; attn KL: KL divergence of the attention "
+      "weights (nats);\n"
+      "out err: relative error of the attention output%s\n"
+      "Grouped by code width, best first by %s; * = on the Pareto front of bits against %s "
+      "(compare.svg).\n"
+      "Each scheme's policy spec and the attention-score error: compare.csv / compare.json.\n",
+      with_ppl ? "; ppl, KL: perplexity and mean next-token KL (nats) with the\n"
+                 "cache held under the scheme (residual 0)"
+               : "",
+      with_ppl ? "KL" : "out err", with_ppl ? "KL" : "out err");
+}
+
 #ifndef KVQ_SHARED_DIR
 #define KVQ_SHARED_DIR "../shared"
 #endif
@@ -694,18 +790,24 @@ int main(int argc, char** argv) {
     if (json_stdout) {
       std::fputs(json.c_str(), stdout);
     } else {
-      std::printf("Geometry vs bits on %s\n", in.description.c_str());
+      // Every line fits 120 columns (long paths wrap at spaces).
+      kvq_tools::print_wrapped("Geometry vs bits on " + in.description);
       if (dump_path.empty() && model_path.empty())
-        std::printf("(SYNTHETIC input: keys have fixed outlier channels and RoPE, values do not; "
-                    "pass --dump or --model for real data)\n");
-      if (!calib_what.empty()) std::printf("nuq codebooks: %s\n", calib_what.c_str());
-      std::printf("attention errors with %s", in.query_source.c_str());
-      if (run_ppl)
-        std::printf("; perplexity/KL over %lld tokens of %s (f32 reference %.4f)",
-                    static_cast<long long>(ppl_tokens), text_path.c_str(), ref_ppl);
-      std::printf("\n\n");
-      kvq_tools::print_table(rows);
-      for (const std::string& why : skipped) std::printf("skipped %s\n", why.c_str());
+        kvq_tools::print_wrapped(
+            "(SYNTHETIC input: keys have fixed outlier channels and RoPE, "
+            "values do not; pass --dump or --model for real data)");
+      if (!calib_what.empty()) kvq_tools::print_wrapped("nuq codebooks: " + calib_what);
+      kvq_tools::print_wrapped("attention errors with " + in.query_source);
+      if (run_ppl) {
+        char ref[32];
+        std::snprintf(ref, sizeof ref, "%.4f", ref_ppl);
+        kvq_tools::print_wrapped("perplexity/KL over " + std::to_string(ppl_tokens) +
+                                 " tokens of " + text_path + " (f32 reference " + ref + ")");
+      }
+      std::printf("\n");
+      print_compare_table(rows, grid, ykey, run_ppl);
+      if (!skipped.empty()) std::printf("\n");
+      for (const std::string& why : skipped) kvq_tools::print_wrapped("skipped " + why);
       std::printf("\nWrote %s/compare.{csv,json,svg} in %.1f s\n", out_dir.c_str(), secs);
     }
   } catch (const std::exception& e) {

@@ -43,6 +43,45 @@ inline std::string fmt_num(double v, int prec = 4) {
   return os.str();
 }
 
+/// `v` with `sig` significant digits for a narrow terminal column: fixed point between 1e-3 and
+/// 1e5 ("0.0748", "1.94", "472"), scientific otherwise ("3.70e-05"); "-" for NaN.
+inline std::string fmt_sig(double v, int sig = 3) {
+  if (std::isnan(v)) return "-";
+  if (v == 0) return "0";
+  char b[32];
+  const double a = std::fabs(v);
+  if (a >= 1e-3 && a < 1e5) {
+    const int mag = static_cast<int>(std::floor(std::log10(a)));
+    std::snprintf(b, sizeof b, "%.*f", std::max(0, sig - 1 - mag), v);
+  } else {
+    std::snprintf(b, sizeof b, "%.*e", sig - 1, v);
+  }
+  return b;
+}
+
+/// Prints `text` wrapped at spaces to lines of at most `width` characters (a word longer than
+/// a line stays whole), continuation lines indented by two spaces.
+inline void print_wrapped(const std::string& text, std::size_t width = 120, FILE* out = stdout) {
+  std::string line;
+  bool fresh = true;  // nothing but the indent on this line yet
+  std::size_t pos = 0;
+  while (pos <= text.size()) {
+    std::size_t end = text.find(' ', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string word = text.substr(pos, end - pos);
+    if (!fresh && line.size() + 1 + word.size() > width) {
+      std::fprintf(out, "%s\n", line.c_str());
+      line = "  ";
+      fresh = true;
+    }
+    if (!fresh) line += ' ';
+    line += word;
+    fresh = false;
+    pos = end + 1;
+  }
+  std::fprintf(out, "%s\n", line.c_str());
+}
+
 /// Prints rows as an aligned table (text columns first, then numbers).
 inline void print_table(const std::vector<Row>& rows, FILE* out = stdout) {
   if (rows.empty()) return;
