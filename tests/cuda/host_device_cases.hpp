@@ -4,6 +4,7 @@
 // kvq_cuda_host_ref shared library), so the results can be compared bit for bit.
 #include <cstdint>
 
+#include <kvq/format/fp4.hpp>
 #include <kvq/kernels/common/element.hpp>
 #include <kvq/kvq.hpp>
 
@@ -31,6 +32,10 @@ enum Col : int {
   kUniformDecode,  ///< uniform_decode(u >> 24, ...)
   kNuqEncode,      ///< elem::nuq_encode(x, ...) 3-bit and 4-bit, one byte each
   kNuqDecode,      ///< elem::nuq_decode(u >> 28, ...) and nuq_params(-|x|, |x|) scale
+  kE2m1,           ///< fp4::encode_e2m1(x) and decode_e2m1(u >> 28), mixed
+  kE8m0,           ///< fp4::e8m0_floor(|x|), mx_scale_code(|x|), decode_e8m0(u >> 24)
+  kMx,             ///< fp4::mx_encode(x, 127 / 120 / 140), mx_decode(u >> 28, u >> 24)
+  kNv,             ///< fp4::nv_scale_code(|x|, 1 / 3e-3), nv_encode(x, 0.75), nv_decode, tensor scale
   kCols
 };
 
@@ -88,6 +93,21 @@ KVQ_HOST_DEVICE void eval_all(float x, uint32_t* out) {
   const auto st = kvq::elem::nuq_params(-ax, ax, true, &gp);
   out[kNuqDecode] = f32_bits(kvq::elem::nuq_decode(lv4, 4, static_cast<uint8_t>(u >> 28), 3.f, -1.5f)) ^
                     (f32_bits(gp.scale) + static_cast<uint32_t>(st)) * 5u;
+  namespace fp4 = kvq::fp4;
+  out[kE2m1] = static_cast<uint32_t>(fp4::encode_e2m1(x)) ^
+               f32_bits(fp4::decode_e2m1(static_cast<uint8_t>(u >> 28))) * 7u;
+  out[kE8m0] = static_cast<uint32_t>(fp4::e8m0_floor(ax)) |
+               static_cast<uint32_t>(fp4::mx_scale_code(ax)) << 8 |
+               (f32_bits(fp4::decode_e8m0(hi8)) ^ f32_bits(fp4::mx_inverse_scale(hi8 == 255 ? 0 : hi8))) << 16;
+  out[kMx] = static_cast<uint32_t>(fp4::mx_encode(x, 127)) |
+             static_cast<uint32_t>(fp4::mx_encode(x, 120)) << 4 |
+             static_cast<uint32_t>(fp4::mx_encode(x, 140)) << 8 |
+             f32_bits(fp4::mx_decode(static_cast<uint8_t>(u >> 28), hi8 == 255 ? 1 : hi8)) << 12;
+  out[kNv] = static_cast<uint32_t>(fp4::nv_scale_code(ax, 1.f)) ^
+             static_cast<uint32_t>(fp4::nv_scale_code(ax, 3e-3f)) << 8 ^
+             static_cast<uint32_t>(fp4::nv_encode(x, 0.75f)) << 16 ^
+             f32_bits(fp4::nv_decode(static_cast<uint8_t>(u >> 28), fp4::nv_element_scale(hi8, 3e-3f))) ^
+             f32_bits(fp4::nv_tensor_scale_from_amax(ax));
 }
 
 }  // namespace kvq_cuda_test

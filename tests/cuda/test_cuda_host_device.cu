@@ -35,7 +35,8 @@ const char* const kColNames[kCols] = {
     "encode_e4m3 sat",    "encode_e4m3 nosat",  "encode_e5m2 sat",    "encode_e5m2 nosat",
     "decode_e4m3",        "decode_e5m2",        "fp8::encode(kind)",  "fp8::decode(kind)",
     "f16 type",           "bf16 type",          "max_finite",         "codebook_encode",
-    "uniform_encode",     "uniform_decode",    "nuq_encode",        "nuq_decode"};
+    "uniform_encode",     "uniform_decode",    "nuq_encode",        "nuq_decode",
+    "fp4 e2m1",           "fp4 e8m0",          "fp4 mx",            "fp4 nv"};
 
 float bits(uint32_t u) {
   float f;
