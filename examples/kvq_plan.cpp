@@ -577,6 +577,7 @@ int main(int argc, char** argv) {
         row.num.push_back({"uniform_bits", ru_bits});
         row.num.push_back({"uniform_dppl_%",
                            best_uniform == "-" ? NAN : 100.0 * (ru.perplexity / p0 - 1.0)});
+        row.num.push_back({"uniform_kl", best_uniform == "-" ? NAN : ru.kl});
       }
       rows.push_back(row);
 
