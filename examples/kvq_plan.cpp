@@ -54,51 +54,6 @@ double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-const char* kDefaultCandidates =
-    "int2=k=int2/channel/g32,v=int2/token/g32;"
-    "int3=k=int3/channel/g32,v=int3/token/g32;"
-    "int4=k=int4/channel/g32,v=int4/token/g32;"
-    "int8=k=int8/channel/g32,v=int8/token/g32;"
-    "lm2=k=lm2/rot,v=lm2/rot;"
-    "lm3=k=lm3/rot,v=lm3/rot;"
-    "lm4=k=lm4/rot,v=lm4/rot;"
-    "fp8=k=e4m3/head,v=e4m3/head;"
-    "f16=k=f16,v=f16";
-
-/// "name=spec" or a bare spec/preset (then the name is the spec).
-std::vector<kvq::PlanCandidate> parse_candidates(const std::string& list) {
-  std::vector<kvq::PlanCandidate> out;
-  std::stringstream ss(list);
-  std::string item;
-  while (std::getline(ss, item, ';')) {
-    if (item.find_first_not_of(" \t") == std::string::npos) continue;
-    std::string name = item, spec = item;
-    const auto eq = item.find('=');
-    if (eq != std::string::npos && item.compare(0, 2, "k=") != 0 && item.compare(0, 2, "v=") != 0) {
-      name = item.substr(0, eq);
-      spec = item.substr(eq + 1);
-    }
-    kvq::Policy p;
-    try {
-      p = kvq::parse_policy(spec);
-    } catch (const kvq::Error& e) {
-      kvq::fail(kvq::ErrorKind::kInvalidArgument, "candidate '", item, "': ", e.what());
-    }
-    KVQ_REQUIRE(p.key.format != kvq::Format::kNuq && p.value.format != kvq::Format::kNuq,
-                kUnsupported, "candidate '", item,
-                "': nuq needs a calibrated codebook per layer; the planner does not take nuq "
-                "candidates yet");
-    KVQ_REQUIRE(p.overrides.empty() && p.skip_first == 0 && p.skip_last == 0, kInvalidArgument,
-                "candidate '", item, "' must be one key term and one value term (no skip, no "
-                "per-layer overrides)");
-    for (const auto& c : out)
-      KVQ_REQUIRE(c.name != name, kInvalidArgument, "candidate name '", name, "' appears twice");
-    out.push_back({name, p.key, p.value});
-  }
-  KVQ_REQUIRE(!out.empty(), kInvalidArgument, "--candidates lists no candidate");
-  return out;
-}
-
 std::vector<double> parse_budgets(const std::string& s) {
   std::vector<double> out;
   std::stringstream ss(s);
@@ -353,7 +308,7 @@ int main(int argc, char** argv) {
   const std::string base = std::string(KVQ_SHARED_DIR) + "/data/stories260K/";
   std::string model_path = base + "stories260K.bin", tok_path = base + "tok512.bin";
   std::string calib_path, eval_path, out_path, meas_path, budget_arg, sweep_arg;
-  std::string granularity = "layer-kv", objective = "kl", cand_arg = kDefaultCandidates;
+  std::string granularity = "layer-kv", objective = "kl", cand_arg = kvq::kDefaultPlanCandidates;
   std::string probe_arg = "k=int3/channel/g32,v=int3/token/g32";
   bool prerope = false;
   int threads = 0;
@@ -405,8 +360,8 @@ int main(int argc, char** argv) {
     const auto t_all = Clock::now();
     const std::vector<double> budgets = parse_budgets(budget_arg.empty() ? sweep_arg : budget_arg);
     const kvq::PlanGranularity gran = kvq::parse_granularity(granularity);
-    const auto cands = parse_candidates(cand_arg);
-    const auto probe = parse_candidates("probe=" + probe_arg).front();
+    const auto cands = kvq::parse_plan_candidates(cand_arg);
+    const auto probe = kvq::parse_plan_candidates("probe=" + probe_arg).front();
     kvq_tools::EvalModel model(model_path, tok_path);
     if (threads > 0) model.set_threads(threads);
     const auto geo = model.kv_geometry();

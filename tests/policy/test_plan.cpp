@@ -218,3 +218,35 @@ TEST(Plan, Errors) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Plan, CandidateLists) {
+  const auto d = kvq::default_plan_candidates();
+  ASSERT_EQ(d.size(), 9u);
+  EXPECT_EQ(d[0].name, "int2");
+  EXPECT_EQ(kvq::config_spec(d[0].key), "int2/channel/g32");
+  EXPECT_EQ(kvq::config_spec(d[0].value), "int2/token/g32");
+  EXPECT_EQ(d[8].name, "f16");
+  const auto c = kvq::parse_plan_candidates(" kivi4 ; mine=k=int3/channel/g32,v=lm3/rot;");
+  ASSERT_EQ(c.size(), 2u);
+  EXPECT_EQ(c[0].name, "kivi4");
+  EXPECT_EQ(kvq::config_spec(c[0].key), "int4/channel/g32");
+  EXPECT_EQ(c[1].name, "mine");
+  EXPECT_EQ(kvq::config_spec(c[1].value), "lm3/rot");
+  auto refused = [](const std::string& list, const std::string& needle) {
+    try {
+      kvq::parse_plan_candidates(list);
+      ADD_FAILURE() << list << " was accepted";
+    } catch (const kvq::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  refused("kivi4;k=int5/token,v=f16", "'k=int5/token,v=f16'");
+  refused("a=kivi4;a=kivi2", "'a' appears twice");
+  refused("k=nuq3/channel/g32,v=int4/token/g32", "nuq");
+  refused("kivi4,skip=2", "no skip");
+  refused(" ; ", "empty");
+}
+
+}  // namespace

@@ -66,6 +66,66 @@ inline PlanGranularity parse_granularity(const std::string& s) {
        "' (expected model, layer or layer-kv)");
 }
 
+/// Candidates from a ';'-separated list of `[name=]spec` items, each spec one key term and one
+/// value term (a policy spec or preset without skip or per-layer overrides; its residual and
+/// sinks are ignored: plans store every complete group). nuq is refused (its codebook is
+/// per-layer calibration, not block bytes). Errors name the item.
+inline std::vector<PlanCandidate> parse_plan_candidates(const std::string& list) {
+  std::vector<PlanCandidate> out;
+  size_t pos = 0;
+  while (pos <= list.size()) {
+    const size_t end = std::min(list.find(';', pos), list.size());
+    const std::string item(detail::trim(std::string_view(list).substr(pos, end - pos)));
+    pos = end + 1;
+    if (item.empty()) continue;
+    std::string name = item, spec = item;
+    const auto eq = item.find('=');
+    const std::string head = eq == std::string::npos ? std::string() : item.substr(0, eq);
+    const bool is_field = head == "k" || head == "v" || head == "residual" || head == "sinks" ||
+                          head == "skip" || head == "skipas" ||
+                          head.find_first_of(",@") != std::string::npos;
+    if (eq != std::string::npos && !is_field) {  // name=spec
+      name = item.substr(0, eq);
+      spec = item.substr(eq + 1);
+    }
+    Policy p;
+    try {
+      p = parse_policy(spec);
+    } catch (const Error& e) {
+      fail(ErrorKind::kInvalidArgument, "candidate '", item, "': ", e.what());
+    }
+    KVQ_REQUIRE(p.key.format != Format::kNuq && p.value.format != Format::kNuq, kUnsupported,
+                "candidate '", item, "': nuq needs a calibrated codebook per layer; the planner "
+                "does not take nuq candidates");
+    KVQ_REQUIRE(p.overrides.empty() && p.skip_first == 0 && p.skip_last == 0, kInvalidArgument,
+                "candidate '", item, "' must be one key term and one value term (no skip, no "
+                "per-layer overrides)");
+    for (const auto& c : out)
+      KVQ_REQUIRE(c.name != name, kInvalidArgument, "candidate name '", name, "' appears twice");
+    out.push_back({name, p.key, p.value});
+  }
+  KVQ_REQUIRE(!out.empty(), kInvalidArgument, "plan: the candidate list is empty");
+  return out;
+}
+
+/// The default candidates: integers of 2, 3, 4 and 8 bits (keys per channel, values per
+/// token, groups of 32: KIVI's geometry), rotated Lloyd-Max of 2, 3 and 4 bits, e4m3 per head
+/// and f16.
+inline constexpr const char* kDefaultPlanCandidates =
+    "int2=k=int2/channel/g32,v=int2/token/g32;"
+    "int3=k=int3/channel/g32,v=int3/token/g32;"
+    "int4=k=int4/channel/g32,v=int4/token/g32;"
+    "int8=k=int8/channel/g32,v=int8/token/g32;"
+    "lm2=k=lm2/rot,v=lm2/rot;"
+    "lm3=k=lm3/rot,v=lm3/rot;"
+    "lm4=k=lm4/rot,v=lm4/rot;"
+    "fp8=k=e4m3/head,v=e4m3/head;"
+    "f16=k=f16,v=f16";
+
+inline std::vector<PlanCandidate> default_plan_candidates() {
+  return parse_plan_candidates(kDefaultPlanCandidates);
+}
+
 /// Storage bits per value of `cfg` in a streaming cache of `kv_heads` x `head_dim`: the
 /// accountant's bytes of one complete stream block (the config as the cache streams it, the
 /// block's token count), metadata included, divided by its values. Refuses nuq (its codebook is
