@@ -4,10 +4,10 @@
 ///
 /// A page holds `page_tokens` tokens of one layer's keys AND values, [page_tokens, kv_heads,
 /// head_dim] each, quantized under (key config, value config). It is one flat byte array made of
-/// up to twelve regions, in this order, each starting at a multiple of kPageAlign (64) bytes:
+/// up to sixteen regions, in this order, each starting at a multiple of kPageAlign (64) bytes:
 ///
-///   K codes | K scales | K zeros | K norms | K qjl signs | K qjl norms |
-///   V codes | V scales | V zeros | V norms | V qjl signs | V qjl norms | tail padding
+///   K codes | K scales | K zeros | K norms | K qjl signs | K qjl norms | K outlier values |
+///   K outlier positions | V codes | ... | V outlier positions | tail padding
 ///
 /// A region a format does not use has 0 bytes (and no padding). The content of every region is
 /// exactly the array a QTensor of shape [page_tokens, kv_heads, head_dim] holds (byte order in
@@ -224,8 +224,8 @@ inline void place(TensorRegions& r, const PackedSizes& p, std::size_t& off) {
 inline constexpr std::size_t kMaxPageBytes = std::size_t{1} << 30;
 
 /// The layout of a page of `page_tokens` tokens of `kv_heads` x `head_dim` keys and values.
-/// Throws kShapeMismatch when a config's token group does not divide page_tokens (or a
-/// token-axis group does not divide head_dim), kInvalidArgument for bad bit widths or
+/// Throws kShapeMismatch when page_tokens is not a multiple of a config's token group (a group
+/// is never shrunk to fit a page) or a token-axis group does not divide head_dim, kInvalidArgument for bad bit widths or
 /// geometry, kOutOfRange beyond kMaxPageBytes.
 inline PageLayout make_page_layout(const QuantConfig& key, const QuantConfig& value,
                                    int64_t page_tokens, int64_t kv_heads, int64_t head_dim) {
@@ -233,6 +233,17 @@ inline PageLayout make_page_layout(const QuantConfig& key, const QuantConfig& va
                   kv_heads <= (1 << 24) && head_dim <= (1 << 24),
               kInvalidArgument, "make_page_layout: page_tokens, kv_heads and head_dim must be in "
               "[1, 2^24], got ", page_tokens, ", ", kv_heads, ", ", head_dim);
+  // A config whose scale groups span tokens must fit whole groups in a page: a page shorter
+  // than the group (or not a multiple of it) would quantize groups of another size, a different
+  // quantizer at a different cost (kivi4 at 16-token pages: 5.5 bits instead of 5.0).
+  for (const auto& [c, role] : {std::pair<const QuantConfig*, const char*>{&key, "key"},
+                                std::pair<const QuantConfig*, const char*>{&value, "value"}}) {
+    const bool spans = !c->is_raw() && c->format != Format::kLloydMax && c->axis != Axis::kToken;
+    KVQ_REQUIRE(!spans || c->group == 0 || page_tokens % c->group == 0, kShapeMismatch,
+                "make_page_layout: page_tokens ", page_tokens, " is not a multiple of the ", role,
+                " config's token group of ", c->group, " (", c->name(),
+                "); use pages of a multiple of ", c->group, " tokens");
+  }
   PageLayout L;
   L.key = key;
   L.value = value;
