@@ -233,6 +233,11 @@ struct KVCacheOptions {
   /// takes the effective bits from 8.5 to 11.6. Off by default (memory is what a quantized
   /// cache is for); an engine that verifies speculative drafts turns it on.
   bool exact_rollback = false;
+  /// Where the pages come from: an engine's pool (cache/page_arena.hpp's PageAllocator; it
+  /// must outlive the cache and its copies), or nullptr for kvq's own chunks. A copy of the
+  /// cache takes its pages from the same allocator; release_unused_pages() gives pages freed
+  /// by clear() or truncate() back to it (the destructor gives back all).
+  PageAllocator* page_allocator = nullptr;
 };
 
 /// The streaming quantized KV cache (see the file comment for the storage rules).
@@ -273,7 +278,7 @@ class KVCache {
       check_config(l, "key", L.kcfg);
       check_config(l, "value", L.vcfg);
       L.layout = make_layout(l, L);
-      L.pages = PageArena(L.layout.bytes);
+      L.pages = PageArena(L.layout.bytes, options_.page_allocator);
       probe(l, L, tried);
     }
   }
@@ -415,6 +420,12 @@ class KVCache {
   }
 
   /// Drops every token of every layer (configs and reserved capacity stay).
+  /// Gives every page slot not holding tokens (after clear() or truncate(), or reserved ahead)
+  /// back to the engine's PageAllocator; does nothing for kvq's own pages.
+  void release_unused_pages() noexcept {
+    for (Layer& L : layers_) L.pages.release_unused();
+  }
+
   void clear() {
     for (Layer& L : layers_) {
       L.tokens = 0;
