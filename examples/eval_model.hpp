@@ -78,11 +78,14 @@ class RecordingBackend final : public kvq::eval::KVBackend {
 class EvalModel {
  public:
   /// `tok_path` is used by llama2.c models only (a GGUF carries its tokenizer).
-  EvalModel(const std::string& model_arg, const std::string& tok_path)
+  /// `gguf_max_tokens`: the longest sequence a GGUF model will run (clamped to its context
+  /// length; the evaluation protocol needs 512).
+  EvalModel(const std::string& model_arg, const std::string& tok_path,
+            int gguf_max_tokens = kvq::eval::kGgufEvalMaxTokens)
       : path_(resolve_model(model_arg)) {
     if (kvq::io::GgufFile::is_gguf_file(path_)) {
       const auto f = kvq::io::GgufFile::open(path_);
-      gguf_ = std::make_unique<kvq::eval::LlamaGgufModel>(f);
+      gguf_ = std::make_unique<kvq::eval::LlamaGgufModel>(f, gguf_max_tokens);
       bpe_ = std::make_unique<kvq::eval::BpeTokenizer>(kvq::eval::BpeTokenizer::from_gguf(f));
     } else {
       l2c_ = std::make_unique<kvq::eval::Llama2cModel>(path_);

@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
   int rc = 0;
   try {
     const kvq::Policy policy = kvq::parse_policy(policy_arg);
-    kvq_tools::EvalModel model(model_path, tok_path);
+    kvq_tools::EvalModel model(model_path, tok_path, prefix + 1);
     if (threads > 0) model.set_threads(threads);
     const auto geo = model.kv_geometry();
     KVQ_REQUIRE(prefix + 1 <= model.max_tokens(), kInvalidArgument, "--prefix ", prefix,
