@@ -4,6 +4,8 @@
 // computed by hand; and a default cache spends no memory on rollback rows.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -118,6 +120,40 @@ TEST(EngineLayout, DefaultCacheStoresNoRollbackRows) {
   const kvq::MemoryReport mr = r.memory_report();
   EXPECT_EQ(mr.key_total().rollback + mr.value_total().rollback,
             static_cast<std::size_t>(2 * 2 * 32 * H * D * 4));
+}
+
+}  // namespace
+
+namespace {
+
+// quantize_page on an engine's page names the tensor, the page tokens and the first bad element;
+// a null page is named as such.
+TEST(EngineLayout, PageErrorsNameWhatIsWrong) {
+  const int H = 2, D = 32, P = 32;
+  const kvq::PageLayout L = kvq::make_page_layout(parse_policy("kivi4"), 0, 1, P, H, D);
+  std::vector<std::byte> page(L.bytes + 64);
+  std::byte* p = page.data();
+  while (reinterpret_cast<std::uintptr_t>(p) % 64) ++p;
+  auto k = kvq_test::kv_data(Shape{P, H, D}, 1, true);
+  auto v = kvq_test::kv_data(Shape{P, H, D}, 2, false);
+  v[(5 * H + 1) * D + 7] = std::nanf("");
+  kvq::QuantWorkspace ws;
+  auto message = [&](std::byte* where) {
+    try {
+      kvq::quantize_page(L, where, 0, KVView<const float>::nhd(k.data(), P, H, D),
+                         KVView<const float>::nhd(v.data(), P, H, D), ws);
+    } catch (const kvq::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string m = message(p);
+  for (const char* part : {"non-finite", "the values of page tokens [0, 32)", "page token 5",
+                           "head 1", "channel 7"})
+    EXPECT_NE(m.find(part), std::string::npos) << part << " not in: " << m;
+  EXPECT_EQ(m.find("the keys"), std::string::npos) << m;
+  const std::string n = message(nullptr);
+  EXPECT_NE(n.find("page pointer is null"), std::string::npos) << n;
 }
 
 }  // namespace
