@@ -44,6 +44,7 @@ def main() -> None:
         return r
 
     hf.KvqLayer.update = timed
+    kw = hf.generate_cache_kwarg()
     print(f"policy {args.policy}, {cfg.num_hidden_layers} layers, kv_heads {cfg.num_key_value_heads}, "
           f"head_dim {cfg.hidden_size // cfg.num_attention_heads}, {args.steps} decode steps, "
           f"torch threads {args.threads}")
@@ -54,13 +55,13 @@ def main() -> None:
         for make in (lambda: hf.KvqCache(args.policy, cfg), transformers.DynamicCache):
             cache = make()
             with torch.no_grad():
-                out = model(ids, past_key_values=cache, use_cache=True)
+                out = model(ids, use_cache=True, **{kw: cache})
                 nxt = out.logits[:, -1:].argmax(-1)
                 update_s.clear()
                 steps = []
                 for i in range(args.steps):
                     t0 = time.perf_counter()
-                    out = model(nxt, past_key_values=cache, use_cache=True,
+                    out = model(nxt, use_cache=True, **{kw: cache},
                                 cache_position=torch.tensor([T + i]))
                     nxt = out.logits[:, -1:].argmax(-1)
                     steps.append(time.perf_counter() - t0)

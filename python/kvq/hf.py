@@ -16,7 +16,7 @@ the full-precision window. A decode step therefore costs O(new tokens + window),
 ``update`` returns views of that tensor (python/benchmarks/bench_hf_step.py measures it).
 
 Needs torch and transformers >= 4.56 (the layered Cache API); importing ``kvq.hf`` without them
-raises ImportError. Tested with torch 2.15.0 and transformers 5.24.0 (see docs/python.md).
+raises ImportError. Tested with torch 2.15.0 and transformers 5.24.0 and 5.25.0 (docs/python.md).
 
     from kvq.hf import KvqCache
     cache = KvqCache("k8v4", model.config)
