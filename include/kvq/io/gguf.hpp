@@ -238,8 +238,8 @@ inline constexpr uint64_t kGgufMaxMetadata = uint64_t{1} << 20;
 inline constexpr uint64_t kGgufMaxStringBytes = uint64_t{1} << 30;
 inline constexpr int kGgufMaxArrayDepth = 8;
 /// Inner arrays (elements of arrays of arrays) in one file, all depths together. Each is a
-/// GgufValue in memory (sizeof(GgufValue), ~150 bytes, plus its elements) for at least 12 file
-/// bytes, so this bounds what such arrays can cost (~10 MiB of values); real models have none.
+/// GgufValue in memory (152 bytes on x86-64, plus its elements) for at least 12 file bytes, so
+/// this bounds what such arrays can cost (~10 MiB of values); real models have none.
 inline constexpr uint64_t kGgufMaxNestedArrays = uint64_t{1} << 16;
 inline constexpr uint32_t kGgufMaxDims = 4;  ///< GGML_MAX_DIMS
 inline constexpr uint32_t kGgufDefaultAlignment = 32;
