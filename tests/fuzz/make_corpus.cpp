@@ -320,8 +320,7 @@ void gguf_seeds() {
       w.u32(9);
       w.u32(9);
       w.u64(1);
-      w.u32(9);  // kvq's reader tags each element of an array of arrays with its type (9)
-      w.u32(0);
+      w.u32(0);  // the inner array: element type u8 (no type code in front, as gguf-py writes)
       w.u64(2);
       w.b.push_back(7);
       w.b.push_back(8);
