@@ -18,7 +18,7 @@
 #include "kvq/core/half.hpp"
 #include "kvq/core/rows.hpp"
 #include "kvq/core/tensor.hpp"
-#include "kvq/kernels/cpu/uniform_cpu.hpp"
+#include "kvq/simd/uniform_cpu.hpp"
 #include "kvq/quant/grouped_quant.hpp"
 #include "kvq/quant/lloyd_max_quant.hpp"
 #include "kvq/quant/nuq_quant.hpp"

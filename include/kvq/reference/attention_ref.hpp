@@ -2,7 +2,7 @@
 /// \file attention_ref.hpp
 /// Reference (oracle) attention over a KVCache or over any sequence of cache segments, for
 /// every policy, with GQA/MQA. Written to be obviously right, not fast: the fused kernels of
-/// attention/attention.hpp (kernels/cpu/attention_cpu.hpp) are tested against it.
+/// attention/attention.hpp (attention/cpu/attention_cpu.hpp) are tested against it.
 ///
 /// Queries are the newest positions of the layer: query i of n_q sits at position
 /// tokens - n_q + i and, when causal, attends to the tokens [0, position]; otherwise to all
