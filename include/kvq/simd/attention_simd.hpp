@@ -2,8 +2,10 @@
 /// \file attention_simd.hpp
 /// The vector vocabulary of the fused attention kernels (attention/cpu/attention_cpu.hpp): one
 /// struct per instruction set with the same static functions, so the kernels are written once
-/// as templates and instantiated for AVX-512 (16 lanes), AVX2+F16C (8 lanes) and the portable
-/// scalar path (1 lane, the only one under KVQ_NO_SIMD).
+/// as templates and instantiated for AVX2+F16C (8 lanes; AVX-512 builds run this instance too,
+/// with the 16-lane microkernels of attention_avx2.hpp) and the portable scalar path (1 lane,
+/// the only one under KVQ_NO_SIMD). There is no 16-lane instance of the per-head path: no
+/// AVX-512 target lacks AVX2/FMA/F16C, so it was never selected (issue 29).
 ///
 /// Code loaders turn packed codes into floats *without* their scale: integers as the raw code
 /// (the offset of symmetric formats is folded into the zero point by the caller), fp8 as the
@@ -84,101 +86,6 @@ struct SimdScalar {
     return half_bits_to_float_fast(static_cast<uint16_t>(*p << 8));
   }
 };
-
-#if KVQ_HAS_AVX512
-/// AVX-512F/BW/DQ/VL, 16 lanes.
-struct Simd512 {
-  static constexpr int W = 16;
-  using V = __m512;
-  using VI = __m512i;
-  static V zero() { return _mm512_setzero_ps(); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static V max(V a, V b) { return _mm512_max_ps(a, b); }
-  static float reduce(V v) {
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-  }
-  /// Four horizontal sums at once (one shuffle tree instead of four).
-  static void reduce4(V a, V b, V c, V d, float* out) {
-    const V ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-    const V cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    // per 128-bit lane: ab = [a0+a2, b0+b2, a1+a3, b1+b3], cd likewise
-    const V lo = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd)));
-    const V hi = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd)));
-    const V s = _mm512_add_ps(lo, hi);  // per lane: [a, b, c, d] partial sums
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
-    const __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    _mm_storeu_ps(out, x);
-  }
-  static V exp(V x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
-    const V n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    V r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187045e-06f), r);
-    V p = _mm512_set1_ps(1.f / 5040.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_maskz_scalef_ps(live, p, n);
-  }
-  static VI codes_u8(const uint8_t* p) {
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  /// 16 4-bit codes from 8 bytes (code i: bits 4i..4i+3 of the little-endian stream).
-  static VI codes_u4(const uint8_t* p) {
-    uint64_t w;
-    std::memcpy(&w, p, 8);
-    const VI b = _mm512_permutexvar_epi32(
-        _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-        _mm512_castsi128_si512(_mm_cvtsi64_si128(static_cast<long long>(w))));
-    const VI sh = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
-    return _mm512_and_si512(_mm512_srlv_epi32(b, sh), _mm512_set1_epi32(15));
-  }
-  /// 16 2-bit codes from 4 bytes.
-  static VI codes_u2(const uint8_t* p) {
-    uint32_t w;
-    std::memcpy(&w, p, 4);
-    const VI sh = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(w)), sh),
-                            _mm512_set1_epi32(3));
-  }
-  static V cvt(VI c) { return _mm512_cvtepi32_ps(c); }
-  static V lut(VI c, const float* table16) {
-    return _mm512_permutexvar_ps(c, _mm512_loadu_ps(table16));
-  }
-  static V from_f16(const uint16_t* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  static V from_bf16(const uint16_t* p) {
-    const VI w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  }
-  static V from_e4m3(const uint8_t* p) {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    const __m256i h = _mm256_or_si256(
-        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
-        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
-    return _mm512_cvtph_ps(h);
-  }
-  static V from_e5m2(const uint8_t* p) {
-    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
-  }
-};
-#endif
 
 #if KVQ_HAS_AVX2 && KVQ_HAS_F16C
 /// AVX2 + FMA + F16C, 8 lanes.
