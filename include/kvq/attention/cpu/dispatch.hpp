@@ -115,8 +115,7 @@ void attend_impl(Workspace& ws, Problem& P, KVView<const float> q, KVView<float>
   }
   const std::size_t units = static_cast<std::size_t>(P.nchunks * P.nqb);
   const std::size_t stride = static_cast<std::size_t>(H * kQueryBlock * G);
-  ws.um.resize(units * stride);
-  ws.ul.assign(units * stride, 0.f);
+  ws.us.assign(units * stride, SoftmaxState<float>::empty());
   ws.uacc.resize(units * stride * static_cast<std::size_t>(D));
   run_units<S>(P, ws, out, opt);
 }

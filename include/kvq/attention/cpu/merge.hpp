@@ -45,16 +45,17 @@ void run_units(const Problem& P, Workspace& ws, KVView<float> out, const Attenti
       float M = -std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < P.nchunks; ++c) {
         const std::size_t u = static_cast<std::size_t>(c * P.nqb + qb);
-        if (ws.ul[u * stride + st] > 0.f) M = std::max(M, ws.um[u * stride + st]);
+        const SoftmaxState<float>& s = ws.us[u * stride + st];
+        if (s.l > 0.f) M = std::max(M, s.m);
       }
       float L = 0.f;
       std::fill(o, o + D, 0.f);
       for (int64_t c = 0; c < P.nchunks; ++c) {
         const std::size_t u = static_cast<std::size_t>(c * P.nqb + qb);
-        const float l = ws.ul[u * stride + st];
-        if (!(l > 0.f)) continue;
-        const float f = exp_neg(ws.um[u * stride + st] - M);
-        L += f * l;
+        const SoftmaxState<float>& s = ws.us[u * stride + st];
+        if (!(s.l > 0.f)) continue;
+        const float f = s.weight(M, softmax_exp);
+        L += f * s.l;
         const float* a = ws.uacc.data() + (u * stride + st) * static_cast<std::size_t>(D);
         for (int64_t d = 0; d < D; ++d) o[d] += f * a[d];
       }

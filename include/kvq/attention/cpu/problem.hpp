@@ -18,6 +18,7 @@
 #include "kvq/core/error.hpp"
 #include "kvq/core/rope.hpp"
 #include "kvq/core/rows.hpp"
+#include "kvq/core/softmax.hpp"
 #include "kvq/core/tensor.hpp"
 #include "kvq/geometry/grouping.hpp"
 #include "kvq/layout/page_layout.hpp"
@@ -85,7 +86,7 @@ struct Stream {
 struct Scratch {
   std::vector<float> s;           // [rows, kTile] scores, then softmax weights
   std::vector<float> w;           // [rows, kTile] value weights
-  std::vector<float> m, l;        // [H, rows] running max and sum
+  std::vector<SoftmaxState<float>> sm;  // [H, rows] online-softmax state (core/softmax.hpp)
   std::vector<float> acc;         // [H, rows, D]
   std::vector<float> acc_rot;     // [H, rows, D] Lloyd-Max values, rotated domain
   std::vector<float> sacc;        // [H, rows, D] QJL value sign sums
@@ -127,7 +128,8 @@ struct Workspace {
   std::vector<float> sqsum;              // [H, nq*G]
   std::vector<double> inv_freq;          // [D/2] RoPE
   std::vector<double> rope_c1, rope_s1;  // [D/2] cos / sin of inv_freq (one position's step)
-  std::vector<float> um, ul, uacc;       // per work unit results
+  std::vector<SoftmaxState<float>> us;  // per work unit results: softmax states ...
+  std::vector<float> uacc;              // ... and accumulators
   std::vector<float> out_row;
   std::vector<Scratch> scratch;
   // pages the kernels do not read (needs_decode()): decoded rows, one [n, H, D] pair per such
@@ -168,6 +170,12 @@ inline void decode_unsupported(Workspace& ws) {
     s.value_rows = KVView<const float>(vb.data(), sh);
   }
 }
+
+/// The kernels' exp for the online softmax (SoftmaxState::raise / weight): exp_neg.
+struct SoftmaxExp {
+  float operator()(float x) const { return exp_neg(x); }
+};
+inline constexpr SoftmaxExp softmax_exp{};
 
 /// Problem geometry of one call.
 struct Problem {

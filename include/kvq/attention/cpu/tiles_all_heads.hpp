@@ -490,11 +490,8 @@ void Unit<S>::tile_all(int64_t n) {
       __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
       m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
       m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-      const float mnew = std::max(sc_.m[st], _mm_cvtss_f32(m4));
-      if (mnew != sc_.m[st]) {
-        const float alpha = exp_neg(sc_.m[st] - mnew);
-        sc_.m[st] = mnew;
-        sc_.l[st] *= alpha;
+      float alpha;
+      if (sc_.sm[st].raise(_mm_cvtss_f32(m4), softmax_exp, &alpha)) {
         rescale(row_acc(sc_.acc.data(), h, r), alpha);
         if (P_.v_ctx != nullptr) {
           rescale(row_acc(sc_.acc_rot.data(), h, r), alpha);
@@ -502,6 +499,7 @@ void Unit<S>::tile_all(int64_t n) {
           sc_.sconst[st] *= alpha;
         }
       }
+      const float mnew = sc_.sm[st].m;
       V sum = _mm256_setzero_ps();
       const V mneg = _mm256_set1_ps(-mnew);
       for (int64_t t = 0; t < n8; t += 8) {
@@ -509,7 +507,7 @@ void Unit<S>::tile_all(int64_t n) {
         _mm256_storeu_ps(s + t, e);
         sum = _mm256_add_ps(sum, e);
       }
-      sc_.l[st] += Simd256::reduce(sum);
+      sc_.sm[st].l += Simd256::reduce(sum);
     }
   // ---- values
   with_load(vs0.packed ? vs0.load : Load::kF32, [&](auto LC) { accumulate_all<LC.value>(n, vhs); });

@@ -47,11 +47,8 @@ void Unit<S>::tile(const CacheSegment& seg, const Stream& ks, const Stream& vs, 
       mx = lanes[0];
       for (int k = 1; k < S::W; ++k) mx = std::max(mx, lanes[k]);
     }
-    const float mnew = std::max(sc_.m[st], mx);
-    if (mnew != sc_.m[st]) {
-      const float alpha = exp_neg(sc_.m[st] - mnew);
-      sc_.m[st] = mnew;
-      sc_.l[st] *= alpha;
+    float alpha;
+    if (sc_.sm[st].raise(mx, softmax_exp, &alpha)) {
       rescale(row_acc(sc_.acc.data(), h, r), alpha);
       if (P_.v_ctx != nullptr) {
         rescale(row_acc(sc_.acc_rot.data(), h, r), alpha);
@@ -59,6 +56,7 @@ void Unit<S>::tile(const CacheSegment& seg, const Stream& ks, const Stream& vs, 
         sc_.sconst[st] *= alpha;
       }
     }
+    const float mnew = sc_.sm[st].m;
     using V = typename S::V;
     V sum = S::zero();
     const V mv = S::set1(mnew);
@@ -67,7 +65,7 @@ void Unit<S>::tile(const CacheSegment& seg, const Stream& ks, const Stream& vs, 
       S::store(s + t, p);
       sum = S::add(sum, p);
     }
-    sc_.l[st] += S::reduce(sum);
+    sc_.sm[st].l += S::reduce(sum);
   }
   // ---- values
   if (!vs.packed) {

@@ -23,8 +23,7 @@ class Unit {
     int64_t b = std::min(P_.T, a + P_.split);
     if (P_.causal) b = std::min(b, P_.T - P_.nq + i1);  // last visible token + 1
     const std::size_t nr = static_cast<std::size_t>(H * R_);
-    sc_.m.assign(nr, -std::numeric_limits<float>::infinity());
-    sc_.l.assign(nr, 0.f);
+    sc_.sm.assign(nr, SoftmaxState<float>::empty());
     sc_.acc.assign(nr * static_cast<std::size_t>(D), 0.f);
     acc_eo_ = false;
     const bool vlm = P_.v_ctx != nullptr;
@@ -317,14 +316,13 @@ class Unit {
 #endif
     const std::size_t unit = static_cast<std::size_t>(chunk * P_.nqb + qb);
     const std::size_t stride = static_cast<std::size_t>(H * kQueryBlock * P_.G);
-    float* um = ws_.um.data() + unit * stride;
-    float* ul = ws_.ul.data() + unit * stride;
+    SoftmaxState<float>* us = ws_.us.data() + unit * stride;
     float* ua = ws_.uacc.data() + unit * stride * static_cast<std::size_t>(D);
     for (int64_t h = 0; h < H; ++h)
       for (int64_t r = 0; r < R; ++r) {
         const std::size_t st = static_cast<std::size_t>(h * R + r);
         float* acc = row_acc(sc_.acc.data(), h, r);
-        if (P_.v_ctx != nullptr && sc_.l[st] > 0.f) {
+        if (P_.v_ctx != nullptr && sc_.sm[st].l > 0.f) {
           float* ar = row_acc(sc_.acc_rot.data(), h, r);
           const float* sa = row_acc(sc_.sacc.data(), h, r);
           const float c0 = sc_.sconst[st];
@@ -338,8 +336,7 @@ class Unit {
           ctx.rotation.apply_inverse(ar);
           for (int64_t i = 0; i < D; ++i) acc[i] += ar[i];
         }
-        um[st] = sc_.m[st];
-        ul[st] = sc_.l[st];
+        us[st] = sc_.sm[st];
         std::copy(acc, acc + D, ua + st * static_cast<std::size_t>(D));
       }
   }
