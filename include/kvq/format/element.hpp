@@ -99,33 +99,26 @@ KVQ_HOST_DEVICE float store_meta(uint8_t* base, bool f16, std::size_t i, float v
   return v;
 }
 
-/// Parameters of one group: stored scale and zero, and the reciprocal the encoder multiplies by.
-struct GroupParams {
-  float scale = 0.f;
-  float zero = 0.f;
-  float inv = 0.f;
+/// Parameters of one group: stored scale and zero, and the reciprocal the encoder multiplies by
+/// (format/uniform.hpp's UniformParams: one type for every format's group parameters).
+using GroupParams = UniformParams;
+
+/// round_meta(f16, v) as a functor (host and device).
+struct RoundMetaBits {
+  bool f16;
+  KVQ_HOST_DEVICE float operator()(float v) const { return round_meta(f16, v); }
 };
 
 /// Uniform-int parameters of a group spanning [lo, hi] (format/uniform.hpp uniform_params, same
 /// bits; bits must be 2, 3, 4 or 8, which the caller validated).
 KVQ_HOST_DEVICE ElementStatus int_params(float lo, float hi, int bits, bool symmetric, bool f16,
                                          GroupParams* p) {
-  const float levels = static_cast<float>((1 << bits) - 1);
-  if (symmetric) {
-    const float m = (hi >= -lo) ? hi : lo;
-    p->scale = round_meta(f16, m / -static_cast<float>(1 << (bits - 1))) + 0.0f;
-    p->zero = 0.f;
-  } else {
-    p->zero = round_meta(f16, lo + 0.0f);
-    if (!is_finite_bits(p->zero)) return ElementStatus::kZeroOverflow;
-    float s = (hi - p->zero) / levels;
-    if (!(s > 0.f)) s = 0.f;
-    p->scale = round_meta(f16, s);
+  // The one definition (format/uniform.hpp), with this file's host/device fp16 rounding.
+  switch (detail::uniform_params_of(lo, hi, bits, symmetric, RoundMetaBits{f16}, p)) {
+    case detail::UniformParamsResult::kZeroOverflow: return ElementStatus::kZeroOverflow;
+    case detail::UniformParamsResult::kScaleOverflow: return ElementStatus::kScaleOverflow;
+    default: return ElementStatus::kOk;
   }
-  if (!is_finite_bits(p->scale)) return ElementStatus::kScaleOverflow;
-  p->inv = (p->scale != 0.f) ? 1.0f / p->scale : 0.f;
-  if (!is_finite_bits(p->inv)) p->inv = 0.f;
-  return ElementStatus::kOk;
 }
 
 /// The encoder's reciprocal of a stored int scale (what int_params put in inv).
