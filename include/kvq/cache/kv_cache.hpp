@@ -220,8 +220,9 @@ struct MemoryReport {
 
 
 namespace detail {
-/// Reads and restores a cache's stored state (pages, f32 windows, rollback rows) for
-/// io/archive.hpp, which rebuilds a cache byte for byte from a file.
+/// The cache's own state export/import (cache/state.hpp): reads and restores its stored state
+/// (pages, f32 windows, rollback rows), e.g. for io/archive.hpp, which rebuilds a cache byte for
+/// byte from a file. Part of the cache layer; no io/ type is a friend of KVCache.
 struct KVCacheAccess;
 }  // namespace detail
 
