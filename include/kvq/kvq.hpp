@@ -24,6 +24,8 @@
 #include "kvq/accounting/accountant.hpp"
 #include "kvq/policy/policy.hpp"
 #include "kvq/policy/spec.hpp"
+#include "kvq/policy/layout.hpp"  // page layouts for engine-owned pages
+#include "kvq/policy/plan.hpp"    // the budget planner's allocation
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/attention/attention.hpp"
 #include "kvq/layout/page_layout.hpp"
