@@ -15,13 +15,17 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);
+  bool parsed = false;
+  kvq::QuantConfig c;
   try {
-    const kvq::QuantConfig c = kvq::parse_quant_config(text);
+    c = kvq::parse_quant_config(text);
     kvq::validate_config(c, "fuzzed term", true);
-    KVQ_FUZZ_CHECK(kvq::same_config(kvq::parse_quant_config(kvq::config_spec(c)), c));
+    parsed = true;
   } catch (const kvq::Error& e) {
     KVQ_FUZZ_CHECK(e.kind() == kvq::ErrorKind::kParse);
   }
+  // Outside the try: the canonical term of an accepted config must parse (a throw escapes).
+  if (parsed) KVQ_FUZZ_CHECK(kvq::same_config(kvq::parse_quant_config(kvq::config_spec(c)), c));
   std::vector<kvq::Policy> ps;
   try {
     ps = kvq::parse_policies(text);

@@ -318,6 +318,26 @@ TEST(Spec, HandBuiltPoliciesAreValidatedAndComparedByRelevantFields) {
             "sint4/head/g8/f32meta");
 }
 
+// Outlier percentages: the canonical term is the shortest plain decimal that parses back to
+// the same float ("%g" wrote 1.2345678 as 1.23457, another float, and 0.00001 as 1e-05, which
+// the grammar refuses). Expected texts written by hand.
+TEST(Spec, OutlierPercentRoundTrips) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"int4/channel/g32/out1.2345678%", "int4/channel/g32/out1.2345678%"},
+      {"int4/channel/g32/out0.00001%", "int4/channel/g32/out0.00001%"},
+      {"int4/channel/g32/out0.5%", "int4/channel/g32/out0.5%"},
+      {"int4/channel/g32/out100%", "int4/channel/g32/out100%"},
+      {"int4/channel/g32/out2.50%", "int4/channel/g32/out2.5%"},
+      {"int4/channel/g32/out0.0000000001%", "int4/channel/g32/out0.0000000001%"},
+  };
+  for (const auto& tc : cases) {
+    const kvq::QuantConfig c = kvq::parse_quant_config(tc.first);
+    const std::string spec = kvq::config_spec(c);
+    EXPECT_EQ(spec, tc.second) << tc.first;
+    EXPECT_TRUE(kvq::same_config(kvq::parse_quant_config(spec), c)) << tc.first;
+  }
+}
+
 // Random mutations of valid specs: parsing must succeed (and then round-trip through spec())
 // or throw kvq::Error(kParse) -- never crash, hang, or throw anything else.
 TEST(Spec, FuzzedSpecsParseOrThrowKvqError) {

@@ -31,6 +31,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
+#include <cstring>
 #include <algorithm>
 #include <map>
 #include <numeric>
@@ -223,9 +224,23 @@ inline std::string config_spec(const QuantConfig& c) {
       break;
   }
   if (c.outlier_pct > 0.f) {
-    char buf[32];
-    std::snprintf(buf, sizeof buf, "/out%g%%", static_cast<double>(c.outlier_pct));
-    s += buf;
+    // The shortest fixed-point decimal (the grammar has no exponent, at most 12 characters)
+    // that parses back to the same float: "%g" wrote 1.2345678 as 1.23457 (another float)
+    // and 0.00001 as 1e-05 (not a term).
+    char buf[32] = {0};
+    for (int decimals = 0; decimals <= 10; ++decimals) {
+      std::snprintf(buf, sizeof buf, "%.*f", decimals, static_cast<double>(c.outlier_pct));
+      if (std::strlen(buf) <= 12 &&
+          static_cast<float>(std::strtod(buf, nullptr)) == c.outlier_pct)
+        break;
+    }
+    char* end = buf + std::strlen(buf);
+    if (std::strchr(buf, '.') != nullptr) {
+      while (end > buf && end[-1] == '0') --end;
+      if (end > buf && end[-1] == '.') --end;
+      *end = '\0';
+    }
+    s += "/out" + std::string(buf) + "%";
   } else if (c.outliers > 0) {
     s += "/out" + std::to_string(c.outliers);
   }
