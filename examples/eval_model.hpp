@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "kvq/core/rope.hpp"
+#include "kvq/eval/gguf_tokenizer.hpp"
 #include "kvq/eval/kv_backend.hpp"
 #include "kvq/eval/llama2c.hpp"
 #include "kvq/eval/llama_gguf.hpp"
@@ -62,6 +63,14 @@ class RecordingBackend final : public kvq::eval::KVBackend {
     n_heads_ = n_heads;
     inner_.attend(layer, pos, q, n_heads, out);
   }
+  void attend_window(int layer, int pos, const float* q, int n_heads, float* out,
+                     int window) override {
+    const int d = inner_.geometry().head_dim;
+    auto& dst = q_[static_cast<size_t>(layer)];
+    dst.insert(dst.end(), q, q + static_cast<size_t>(n_heads) * d);
+    n_heads_ = n_heads;
+    inner_.attend_window(layer, pos, q, n_heads, out, window);
+  }
   const kvq::eval::Fp32Backend& inner() const { return inner_; }
   /// Queries of `layer`, [tokens, n_heads, head_dim] post-RoPE.
   const std::vector<float>& queries(int layer) const { return q_[static_cast<size_t>(layer)]; }
@@ -82,7 +91,7 @@ class EvalModel {
     if (kvq::io::GgufFile::is_gguf_file(path_)) {
       const auto f = kvq::io::GgufFile::open(path_);
       gguf_ = std::make_unique<kvq::eval::LlamaGgufModel>(f);
-      bpe_ = std::make_unique<kvq::eval::BpeTokenizer>(kvq::eval::BpeTokenizer::from_gguf(f));
+      bpe_ = std::make_unique<kvq::eval::GgufTokenizer>(kvq::eval::GgufTokenizer::from_gguf(f));
     } else {
       l2c_ = std::make_unique<kvq::eval::Llama2cModel>(path_);
       tok_ = std::make_unique<kvq::eval::Tokenizer>(tok_path, l2c_->config().vocab_size);
@@ -99,6 +108,11 @@ class EvalModel {
   }
   /// RoPE of the model's keys (for pre-RoPE key caches).
   kvq::RopeConfig rope() const { return gguf_ ? gguf_->rope() : kvq::RopeConfig{}; }
+  /// Per-layer RoPE when the layers differ (Gemma 3's local and global layers), else empty.
+  std::vector<kvq::RopeConfig> layer_ropes() const {
+    if (!gguf_ || gguf_->config().layer_sliding.empty()) return {};
+    return gguf_->layer_ropes();
+  }
   int vocab_size() const {
     return gguf_ ? gguf_->config().vocab_size : l2c_->config().vocab_size;
   }
@@ -145,7 +159,7 @@ class EvalModel {
   std::unique_ptr<kvq::eval::Llama2cModel> l2c_;
   std::unique_ptr<kvq::eval::Tokenizer> tok_;
   std::unique_ptr<kvq::eval::LlamaGgufModel> gguf_;
-  std::unique_ptr<kvq::eval::BpeTokenizer> bpe_;
+  std::unique_ptr<kvq::eval::GgufTokenizer> bpe_;
 };
 
 }  // namespace kvq_tools

@@ -43,7 +43,8 @@ namespace {
 class MeasuringBackend final : public kvq::eval::KVBackend {
  public:
   MeasuringBackend(kvq::Policy p, const kvq::eval::KVGeometry& g, bool simulate, bool prerope,
-                   const kvq::RopeConfig& rope = {}) {
+                   const kvq::RopeConfig& rope = {},
+                   std::vector<kvq::RopeConfig> layer_ropes = {}) {
     if (simulate) {
       KVQ_REQUIRE(!prerope || rope.style == kvq::RopeStyle::kAdjacent, kUnsupported,
                   "--simulate --prerope supports adjacent-pair RoPE only (this model rotates "
@@ -54,6 +55,7 @@ class MeasuringBackend final : public kvq::eval::KVBackend {
       sim_ = std::make_unique<kvq::SimulatedBackend>(std::move(p), g, o);
     } else {
       cache_ = std::make_unique<kvq::CacheBackend>(std::move(p), g, prerope, rope);
+      cache_->set_layer_ropes(std::move(layer_ropes));
     }
   }
   void reset() override {
@@ -65,6 +67,10 @@ class MeasuringBackend final : public kvq::eval::KVBackend {
   }
   void attend(int layer, int pos, const float* q, int n_heads, float* out) override {
     inner().attend(layer, pos, q, n_heads, out);
+  }
+  void attend_window(int layer, int pos, const float* q, int n_heads, float* out,
+                     int window) override {
+    inner().attend_window(layer, pos, q, n_heads, out, window);
   }
   void measure() {
     std::size_t bytes = 0, elements = 0;
@@ -192,7 +198,7 @@ int main(int argc, char** argv) {
     for (std::size_t pi = 0; pi < policies.size(); ++pi) {
       const kvq::Policy& p = policies[pi];
       std::fprintf(stderr, "kvq_perplexity: %s ...\n", names[pi].c_str());
-      MeasuringBackend be(p, geo, simulate, prerope, model.rope());
+      MeasuringBackend be(p, geo, simulate, prerope, model.rope(), model.layer_ropes());
       kvq::eval::EvalOptions popt = opt;
       popt.reference_trace = &trace;
       const auto r = model.evaluate(be, lines, popt);

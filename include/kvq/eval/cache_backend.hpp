@@ -16,6 +16,7 @@
 /// (core/rope.hpp, llama2.c's convention) — KVQuant's pre-RoPE key quantization in a real
 /// streaming cache.
 #include <utility>
+#include <vector>
 
 #include "kvq/attention/attention.hpp"
 #include "kvq/cache/kv_cache.hpp"
@@ -52,11 +53,32 @@ class CacheBackend final : public eval::KVBackend {
   }
 
   void attend(int layer, int pos, const float* q, int n_heads, float* out) override {
+    attend_window(layer, pos, q, n_heads, out, 0);
+  }
+
+  /// Attention over the last `window` tokens only (AttentionOptions::window; 0 = all).
+  void attend_window(int layer, int pos, const float* q, int n_heads, float* out,
+                     int window) override {
     const int64_t t = cache_.tokens(layer);
     KVQ_REQUIRE(t > 0 && pos == t - 1, kInvalidArgument, "CacheBackend::attend: layer ", layer,
                 " holds ", t, " tokens; a query at position ", pos,
                 " must come right after appending its own token");
-    attend_one(cache_, layer, q, n_heads, out, ws_, prerope_ ? &rope_ : nullptr);
+    AttentionOptions opt;
+    opt.window = window > 0 ? window : 0;
+    const RopeConfig* rope = nullptr;
+    if (prerope_) {
+      rope = layer_ropes_.empty() ? &rope_ : &layer_ropes_[static_cast<size_t>(layer)];
+    }
+    attend_one(cache_, layer, q, n_heads, out, ws_, rope, opt);
+  }
+
+  /// Per-layer RoPE of pre-RoPE keys (models whose layers rotate with different bases, e.g.
+  /// Gemma 3's local and global layers); one entry per layer, replaces the constructor's.
+  void set_layer_ropes(std::vector<RopeConfig> ropes) {
+    KVQ_REQUIRE(ropes.empty() || static_cast<int>(ropes.size()) == cache_.n_layers(),
+                kInvalidArgument, "CacheBackend::set_layer_ropes: ", ropes.size(),
+                " ropes for ", cache_.n_layers(), " layers");
+    layer_ropes_ = std::move(ropes);
   }
 
   const KVCache& cache() const { return cache_; }
@@ -65,6 +87,7 @@ class CacheBackend final : public eval::KVBackend {
   KVCache cache_;
   bool prerope_;
   RopeConfig rope_;
+  std::vector<RopeConfig> layer_ropes_;
   AttentionWorkspace ws_;
 };
 

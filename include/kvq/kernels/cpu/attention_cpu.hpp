@@ -76,6 +76,10 @@ struct AttentionOptions {
   /// Tokens per independently processed chunk (flash-decoding split); 0 = 4096. Results depend
   /// on the split (floating-point order), never on `threads`.
   int64_t split_tokens = 0;
+  /// Sliding window (0 = none): the query at position p sees only the tokens at positions
+  /// (p - window, p] (with causal; without, the window ends at the last token). Gemma's local
+  /// layers; tiles wholly before every query's window are skipped.
+  int64_t window = 0;
   /// Caller-supplied parallel-for (optional).
   ParallelFor parallel_for;
 };
@@ -206,6 +210,7 @@ inline void decode_unsupported(Workspace& ws) {
 struct Problem {
   int64_t T = 0, H = 0, D = 0, nq = 0, nh = 0, G = 0;
   bool causal = true;
+  int64_t window = 0;  // AttentionOptions::window
   const RopeConfig* rope = nullptr;
   int64_t split = kDefaultSplit, nchunks = 0, nqb = 0;
   const detail::LloydMaxContext* k_ctx = nullptr;  // Lloyd-Max keys (query rotation)
@@ -598,9 +603,13 @@ class Unit {
     i0_ = qb * kQueryBlock;
     const int64_t i1 = std::min(P_.nq, i0_ + kQueryBlock);
     R_ = (i1 - i0_) * P_.G;
-    const int64_t a = chunk * P_.split;
+    int64_t a = chunk * P_.split;
     int64_t b = std::min(P_.T, a + P_.split);
     if (P_.causal) b = std::min(b, P_.T - P_.nq + i1);  // last visible token + 1
+    if (P_.window > 0) {  // skip what precedes the first query's window (64-token aligned)
+      const int64_t last0 = P_.causal ? P_.T - P_.nq + i0_ : P_.T - 1;
+      a = std::max(a, (last0 - P_.window + 1) / kTile * kTile);
+    }
     const std::size_t nr = static_cast<std::size_t>(H * R_);
     sc_.m.assign(nr, -std::numeric_limits<float>::infinity());
     sc_.l.assign(nr, 0.f);
@@ -1150,12 +1159,15 @@ class Unit {
         const int64_t i = i0_ + r / P_.G;
         const int64_t last = P_.causal ? P_.T - P_.nq + i : P_.T - 1;  // last visible position
         const int64_t nv = std::min(n, last - t0 + 1);
+        // first visible entry of the tile (sliding window)
+        const int64_t lo = P_.window > 0 ? std::max<int64_t>(0, last - P_.window + 1 - t0) : 0;
         float* s = sc + (h * R + r) * kTile;
-        if (nv <= 0) {  // this query sees none of the tile
+        if (nv <= lo) {  // this query sees none of the tile
           std::fill(s, s + n8, 0.f);
           continue;
         }
         std::fill(s + nv, s + n8, -std::numeric_limits<float>::infinity());
+        std::fill(s, s + lo, -std::numeric_limits<float>::infinity());
         const std::size_t st = static_cast<std::size_t>(h * R + r);
         V mv = _mm256_loadu_ps(s);
         for (int64_t t = 8; t < n8; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
@@ -1412,13 +1424,16 @@ class Unit {
       const int64_t i = i0_ + r / P_.G;
       const int64_t last = P_.causal ? P_.T - P_.nq + i : P_.T - 1;  // last visible position
       const int64_t nv = std::min(n, last - t0 + 1);
+      // first visible entry of the tile (sliding window)
+      const int64_t lo = P_.window > 0 ? std::max<int64_t>(0, last - P_.window + 1 - t0) : 0;
       float* s = sc + r * kTile;
       const std::size_t st = static_cast<std::size_t>(h * R + r);
-      if (nv <= 0) {  // this query sees none of the tile
+      if (nv <= lo) {  // this query sees none of the tile
         std::fill(s, s + kTile, 0.f);
         continue;
       }
       std::fill(s + nv, s + kTile, -std::numeric_limits<float>::infinity());
+      std::fill(s, s + lo, -std::numeric_limits<float>::infinity());
       float mx;
       {
         auto mv = S::load(s);
@@ -2266,6 +2281,8 @@ void attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D, KVView<cons
               opt.threads);
   KVQ_REQUIRE(opt.split_tokens >= 0, kInvalidArgument,
               "attend: split_tokens must be >= 0 (0 = default), got ", opt.split_tokens);
+  KVQ_REQUIRE(opt.window >= 0, kInvalidArgument,
+              "attend: window must be >= 0 (0 = none), got ", opt.window);
   Problem P;
   P.T = T;
   P.H = H;
@@ -2274,6 +2291,7 @@ void attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D, KVView<cons
   P.nh = q.heads();
   P.G = P.nh / H;
   P.causal = causal;
+  P.window = opt.window;
   P.rope = rope;
   P.split = opt.split_tokens > 0 ? opt.split_tokens : kDefaultSplit;
   P.nchunks = (T + P.split - 1) / P.split;
