@@ -6,7 +6,7 @@
 //   llama2.c: BOS + line (the '\r' of a CRLF line kept), cut at the model's seq_len;
 //   GGUF:     the line without '\r', BOS only if the GGUF says add_bos_token, cut at 512 tokens
 //             (shared/docs/reference.md's SmolLM2 protocol).
-// `--model smollm2` names the GGUF fetched by `./kvq.sh model smollm2`.
+// `--model smollm2` / `--model gemma3` name the GGUFs fetched by `./kvq.sh model NAME`.
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -33,12 +33,16 @@ inline std::string model_dir() {
 /// The file name of SmolLM2 in the model cache.
 inline std::string smollm2_path() { return model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf"; }
 
-/// `--model` argument -> path: "smollm2" names the cached GGUF, anything else is a path.
+/// The file name of Gemma 3 270M in the model cache.
+inline std::string gemma3_path() { return model_dir() + "/gemma-3-270m-q4_k_m.gguf"; }
+
+/// `--model` argument -> path: "smollm2" and "gemma3" name the cached GGUFs (`./kvq.sh model
+/// NAME`), anything else is a path.
 inline std::string resolve_model(const std::string& arg) {
-  if (arg == "smollm2") {
-    const std::string p = smollm2_path();
-    KVQ_REQUIRE(kvq::io::GgufFile::is_gguf_file(p), kIo, "model 'smollm2': '", p,
-                "' not found; fetch it with ./kvq.sh model smollm2");
+  if (arg == "smollm2" || arg == "gemma3") {
+    const std::string p = arg == "smollm2" ? smollm2_path() : gemma3_path();
+    KVQ_REQUIRE(kvq::io::GgufFile::is_gguf_file(p), kIo, "model '", arg, "': '", p,
+                "' not found; fetch it with ./kvq.sh model ", arg);
     return p;
   }
   return arg;
@@ -120,9 +124,16 @@ class EvalModel {
   std::string describe() const {
     if (!gguf_) return "llama2.c model " + path_;
     const auto& c = gguf_->config();
+    std::string swa;
+    int n_swa = 0;
+    for (int l = 0; l < c.n_layers; ++l) n_swa += c.sliding(l) ? 1 : 0;
+    if (n_swa > 0) {
+      swa = kvq::detail::cat(", sliding window ", c.sliding_window, " on ", n_swa, " of ",
+                             c.n_layers, " layers (rope theta ", c.rope_theta_swa, ")");
+    }
     return kvq::detail::cat("GGUF model ", path_, " (", c.arch, ", ", c.n_layers, " layers, ",
                             c.n_heads, "/", c.n_kv_heads, " heads of ", c.head_dim,
-                            ", rope theta ", c.rope_theta, ")");
+                            ", rope theta ", c.rope_theta, swa, ")");
   }
   /// The text's lines under the model's protocol.
   std::vector<std::string> read_lines(const std::string& path) const {

@@ -5,7 +5,7 @@
 //                  [--max-seqs N] [--seq-len N] [--simulate] [--prerope]
 //
 // M is a llama2.c checkpoint (then T is its tokenizer file), a GGUF file (detected by its magic;
-// it carries its tokenizer), or `smollm2`: the GGUF fetched by `./kvq.sh model smollm2`.
+// it carries its tokenizer), or `smollm2` / `gemma3`: the GGUFs fetched by `./kvq.sh model NAME`.
 //
 // The cache is kvq's streaming KVCache (keys and values packed in shared blocks), or with
 // --simulate the SimulatedBackend (eval/simulated_backend.hpp: every key and value scale group
@@ -107,7 +107,7 @@ void usage() {
                "  [--prerope] [--threads N] [--calibrate PATH] [--save-calibration FILE]\n"
                "--model: a llama2.c checkpoint (with --tokenizer), a GGUF file (its own tokenizer;\n"
                "  lines without '\\r', no BOS unless the file says so, cut at 512 tokens), or\n"
-               "  'smollm2' for the GGUF fetched by ./kvq.sh model smollm2\n"
+               "  'smollm2' / 'gemma3' for the GGUFs fetched by ./kvq.sh model NAME\n"
                "--threads: threads of a GGUF model's matrix products (default: all cores)\n"
                "--simulate: quantize each key/value scale group as soon as it is complete (keys\n"
                "  and values independently; simulated quantization, the reference table's rule)\n"

@@ -65,11 +65,39 @@ class CacheBackend final : public eval::KVBackend {
                 " must come right after appending its own token");
     AttentionOptions opt;
     opt.window = window > 0 ? window : 0;
-    const RopeConfig* rope = nullptr;
-    if (prerope_) {
-      rope = layer_ropes_.empty() ? &rope_ : &layer_ropes_[static_cast<size_t>(layer)];
-    }
-    attend_one(cache_, layer, q, n_heads, out, ws_, rope, opt);
+    attend_one(cache_, layer, q, n_heads, out, ws_, layer_rope(layer), opt);
+  }
+
+  /// Chunked mode (off by default): a forward call of several tokens appends them all, then
+  /// runs one causal attention for all their queries (the cache's batched prefill attention),
+  /// as an engine does. Tokens that a token-by-token run would still hold in the f32 residual
+  /// window when attended may already be quantized then, so perplexity can differ slightly
+  /// from the default mode (which the evaluation tools keep).
+  void set_chunked(bool on) { chunked_ = on; }
+  bool chunked() const override { return chunked_; }
+
+  void append_chunk(int layer, int pos0, int n, const float* k_prerope, const float* k,
+                    const float* v) override {
+    if (prerope_) k = k_prerope;
+    const int64_t t = cache_.tokens(layer);
+    KVQ_REQUIRE(pos0 == t && n > 0, kInvalidArgument, "CacheBackend::append_chunk: layer ", layer,
+                " holds ", t, " tokens, so the next position must be ", t, ", got ", pos0,
+                " (", n, " tokens)");
+    const int H = cache_.kv_heads(), D = cache_.head_dim();
+    cache_.append(layer, KVView<const float>::nhd(k, n, H, D), KVView<const float>::nhd(v, n, H, D));
+  }
+
+  void attend_chunk(int layer, int pos0, int n, const float* q, int n_heads, float* out,
+                    int window) override {
+    const int64_t t = cache_.tokens(layer);
+    KVQ_REQUIRE(n > 0 && pos0 + n == t, kInvalidArgument, "CacheBackend::attend_chunk: layer ",
+                layer, " holds ", t, " tokens; queries at positions [", pos0, ", ", pos0 + n,
+                ") must be its newest");
+    AttentionOptions opt;
+    opt.window = window > 0 ? window : 0;
+    const int D = cache_.head_dim();
+    kvq::attend(cache_, layer, KVView<const float>::nhd(q, n, n_heads, D),
+                KVView<float>::nhd(out, n, n_heads, D), true, ws_, layer_rope(layer), opt);
   }
 
   /// Per-layer RoPE of pre-RoPE keys (models whose layers rotate with different bases, e.g.
@@ -84,8 +112,15 @@ class CacheBackend final : public eval::KVBackend {
   const KVCache& cache() const { return cache_; }
 
  private:
+  /// The RoPE attention applies to `layer`'s keys (nullptr: they are stored post-RoPE).
+  const RopeConfig* layer_rope(int layer) const {
+    if (!prerope_) return nullptr;
+    return layer_ropes_.empty() ? &rope_ : &layer_ropes_[static_cast<size_t>(layer)];
+  }
+
   KVCache cache_;
   bool prerope_;
+  bool chunked_ = false;
   RopeConfig rope_;
   std::vector<RopeConfig> layer_ropes_;
   AttentionWorkspace ws_;

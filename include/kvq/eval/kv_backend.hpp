@@ -53,6 +53,25 @@ class KVBackend {
                 ", window ", window, ")");
     attend(layer, pos, q, n_heads, out);
   }
+  /// True when the backend takes a whole chunk per layer the way an engine's prefill does:
+  /// append_chunk() of all its tokens, then one attend_chunk() for all their queries (causal).
+  /// The model uses it for calls of more than one token; false (the default) keeps the
+  /// token-by-token contract above.
+  virtual bool chunked() const { return false; }
+  /// Appends n tokens at positions pos0 .. pos0 + n - 1: rows [n, n_kv_heads, head_dim].
+  virtual void append_chunk(int layer, int pos0, int n, const float* k_prerope, const float* k,
+                            const float* v) {
+    (void)layer, (void)pos0, (void)n, (void)k_prerope, (void)k, (void)v;
+    fail(ErrorKind::kUnsupported, "KVBackend: this backend does not take chunks");
+  }
+  /// Causal attention of the n newest positions' queries q [n, n_heads, head_dim] into out
+  /// (same shape), each over the tokens up to its own position (the last `window` of them
+  /// when window > 0).
+  virtual void attend_chunk(int layer, int pos0, int n, const float* q, int n_heads, float* out,
+                            int window) {
+    (void)layer, (void)pos0, (void)n, (void)q, (void)n_heads, (void)out, (void)window;
+    fail(ErrorKind::kUnsupported, "KVBackend: this backend does not take chunks");
+  }
 };
 
 /// Dimensions a backend needs to size its storage; the model reports its own

@@ -195,6 +195,25 @@ class LlamaGgufModel {
   /// logits (row-major) into `logits` (nullptr: skip the output layer, e.g. to only fill the
   /// cache).
   void forward(const int* tokens, int n, int pos0, KVBackend& kv, float* logits) {
+    forward_impl(tokens, n, pos0, kv, logits, false);
+  }
+
+  /// forward() that writes only the last token's row of logits (vocab_size floats): a
+  /// prompt's prefill before generation.
+  void forward_last(const int* tokens, int n, int pos0, KVBackend& kv, float* logits) {
+    forward_impl(tokens, n, pos0, kv, logits, true);
+  }
+
+  /// forward() into a fresh [n, vocab] vector.
+  std::vector<float> forward(const std::vector<int>& tokens, int pos0, KVBackend& kv) {
+    std::vector<float> logits(tokens.size() * static_cast<size_t>(cfg_.vocab_size));
+    forward(tokens.data(), static_cast<int>(tokens.size()), pos0, kv, logits.data());
+    return logits;
+  }
+
+ private:
+  void forward_impl(const int* tokens, int n, int pos0, KVBackend& kv, float* logits,
+                    bool last_only) {
     const LlamaGgufConfig& c = cfg_;
     KVQ_REQUIRE(n > 0, kInvalidArgument, "LlamaGgufModel::forward: no tokens");
     KVQ_REQUIRE(pos0 >= 0 && n <= max_tokens_ - pos0, kInvalidArgument,
@@ -255,14 +274,19 @@ class LlamaGgufModel {
         for (size_t i = 0; i < N * qd; ++i) q_[i] *= c.q_scale;
       }
       const int window = c.window(l);
-      for (int t = 0; t < n; ++t) {
-        const size_t ko = t * size_t(kvd);
-        kv.append(l, pos0 + t, kp_.data() + ko, k_.data() + ko, v_.data() + ko);
-        if (window > 0) {
-          kv.attend_window(l, pos0 + t, q_.data() + t * size_t(qd), c.n_heads,
-                           att_.data() + t * size_t(qd), window);
-        } else {
-          kv.attend(l, pos0 + t, q_.data() + t * size_t(qd), c.n_heads, att_.data() + t * size_t(qd));
+      if (n > 1 && kv.chunked()) {  // an engine's prefill: the whole chunk, then its queries
+        kv.append_chunk(l, pos0, n, kp_.data(), k_.data(), v_.data());
+        kv.attend_chunk(l, pos0, n, q_.data(), c.n_heads, att_.data(), window);
+      } else {
+        for (int t = 0; t < n; ++t) {
+          const size_t ko = t * size_t(kvd);
+          kv.append(l, pos0 + t, kp_.data() + ko, k_.data() + ko, v_.data() + ko);
+          if (window > 0) {
+            kv.attend_window(l, pos0 + t, q_.data() + t * size_t(qd), c.n_heads,
+                             att_.data() + t * size_t(qd), window);
+          } else {
+            kv.attend(l, pos0 + t, q_.data() + t * size_t(qd), c.n_heads, att_.data() + t * size_t(qd));
+          }
         }
       }
       detail::matmul_rows(att_.data(), n, qd, L.wo.data(), dim, xn_.data(), threads_);
@@ -288,22 +312,16 @@ class LlamaGgufModel {
       for (size_t i = 0; i < N * dim; ++i) x_[i] += xn_[i];
     }
     if (logits == nullptr) return;
-    for (int t = 0; t < n; ++t) {
+    const int first = last_only ? n - 1 : 0;
+    for (int t = first; t < n; ++t) {
       detail::rmsnorm_row(xn_.data() + t * size_t(dim), x_.data() + t * size_t(dim),
                           out_norm_.data(), dim, c.rms_eps);
     }
     const float* wout = c.tied_output ? tok_emb_.data() : output_.data();
-    detail::matmul_rows(xn_.data(), n, dim, wout, c.vocab_size, logits, threads_);
+    detail::matmul_rows(xn_.data() + first * size_t(dim), n - first, dim, wout, c.vocab_size,
+                        logits, threads_);
   }
 
-  /// forward() into a fresh [n, vocab] vector.
-  std::vector<float> forward(const std::vector<int>& tokens, int pos0, KVBackend& kv) {
-    std::vector<float> logits(tokens.size() * static_cast<size_t>(cfg_.vocab_size));
-    forward(tokens.data(), static_cast<int>(tokens.size()), pos0, kv, logits.data());
-    return logits;
-  }
-
- private:
   struct Layer {
     std::vector<float> attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down, bq, bk, bv;
     std::vector<float> q_norm, k_norm, post_attn_norm, post_ffn_norm;  // Gemma 3
