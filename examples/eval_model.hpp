@@ -18,6 +18,7 @@
 #include "kvq/eval/llama2c.hpp"
 #include "kvq/eval/llama_gguf.hpp"
 #include "kvq/io/gguf.hpp"
+#include "kvq/policy/spec.hpp"
 
 namespace kvq_tools {
 
@@ -112,6 +113,12 @@ class EvalModel {
   }
   /// RoPE of the model's keys (for pre-RoPE key caches).
   kvq::RopeConfig rope() const { return gguf_ ? gguf_->rope() : kvq::RopeConfig{}; }
+  /// `p` bound to this model's layer kinds (k@local / k@global terms become per-layer
+  /// overrides; a llama2.c model has only global layers).
+  kvq::Policy bind(const kvq::Policy& p) const {
+    const int n = kv_geometry().n_layers;
+    return p.bind_layer_kinds(gguf_ ? gguf_->config().layer_sliding : std::vector<char>{}, n);
+  }
   /// Per-layer RoPE when the layers differ (Gemma 3's local and global layers), else empty.
   std::vector<kvq::RopeConfig> layer_ropes() const {
     if (!gguf_ || gguf_->config().layer_sliding.empty()) return {};

@@ -136,7 +136,9 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "kvq_generate: --max-tokens cut to %d (context %d)\n", opt.max_tokens,
                    c.context_length);
     }
-    kvq::CacheBackend kv(policy, model.kv_geometry(), prerope, model.rope());
+    // k@local / k@global terms become per-layer overrides for this model's layer kinds.
+    const kvq::Policy bound = policy.bind_layer_kinds(c.layer_sliding, c.n_layers);
+    kvq::CacheBackend kv(bound, model.kv_geometry(), prerope, model.rope());
     if (!c.layer_sliding.empty()) kv.set_layer_ropes(model.layer_ropes());
     kv.set_chunked(true);
     std::fprintf(stderr, "kvq_generate: %s (%s, %d layers, %d/%d heads of %d), cache %s%s\n",

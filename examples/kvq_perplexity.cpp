@@ -187,6 +187,7 @@ int main(int argc, char** argv) {
     // nuq policies: codebooks from --calibrate (a spec that needs one without it is an error).
     std::vector<std::string> names;  // specs as given (a calibrated policy lists every layer)
     for (const kvq::Policy& p : policies) names.push_back(p.spec());
+    for (kvq::Policy& p : policies) p = model.bind(p);  // k@local / k@global -> per layer
     const std::string calib_what = kvq_tools::calibrate_policies(
         policies, calib, geo.n_layers, &geo, prerope,
         [&](const std::string& path, kvq::eval::KVBackend& rec) {
