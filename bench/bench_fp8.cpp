@@ -16,7 +16,7 @@
 #include "bench_common.hpp"
 #include "kvq/core/half.hpp"
 #include "kvq/format/fp8.hpp"
-#include "kvq/kernels/cpu/fp8_cpu.hpp"
+#include "kvq/simd/fp8_cpu.hpp"
 
 namespace {
 

@@ -7,6 +7,7 @@
 //   GGUF:     the line without '\r', BOS only if the GGUF says add_bos_token, cut at 512 tokens
 //             (shared/docs/reference.md's SmolLM2 protocol).
 // `--model smollm2` / `--model gemma3` name the GGUFs fetched by `./kvq.sh model NAME`.
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -91,11 +92,14 @@ class RecordingBackend final : public kvq::eval::KVBackend {
 class EvalModel {
  public:
   /// `tok_path` is used by llama2.c models only (a GGUF carries its tokenizer).
-  EvalModel(const std::string& model_arg, const std::string& tok_path)
+  /// `gguf_max_tokens`: the longest sequence a GGUF model will run (clamped to its context
+  /// length; the evaluation protocol needs 512).
+  EvalModel(const std::string& model_arg, const std::string& tok_path,
+            int gguf_max_tokens = kvq::eval::kGgufEvalMaxTokens)
       : path_(resolve_model(model_arg)) {
     if (kvq::io::GgufFile::is_gguf_file(path_)) {
       const auto f = kvq::io::GgufFile::open(path_);
-      gguf_ = std::make_unique<kvq::eval::LlamaGgufModel>(f);
+      gguf_ = std::make_unique<kvq::eval::LlamaGgufModel>(f, gguf_max_tokens);
       bpe_ = std::make_unique<kvq::eval::GgufTokenizer>(kvq::eval::GgufTokenizer::from_gguf(f));
     } else {
       l2c_ = std::make_unique<kvq::eval::Llama2cModel>(path_);
@@ -166,6 +170,32 @@ class EvalModel {
     std::vector<float> logits(static_cast<size_t>(vocab_size()));
     for (size_t p = 0; p < ids.size(); ++p) l2c_->forward(ids[p], static_cast<int>(p), kv, logits.data());
   }
+  /// Runs ids[0..n) at positions pos0.. through `kv` (which holds exactly pos0 tokens) and
+  /// writes the last token's logits into `last_logits` (vocab_size floats; nullptr: none).
+  void forward(const int* ids, int n, int pos0, kvq::eval::KVBackend& kv, float* last_logits) {
+    if (n <= 0) return;
+    if (gguf_) {
+      if (n > 1) gguf_->forward(ids, n - 1, pos0, kv, nullptr);
+      std::vector<float> tmp;
+      float* out = last_logits;
+      if (!out) {
+        tmp.resize(static_cast<size_t>(vocab_size()));
+        out = tmp.data();
+      }
+      gguf_->forward(ids + n - 1, 1, pos0 + n - 1, kv, out);
+      return;
+    }
+    std::vector<float> logits(static_cast<size_t>(vocab_size()));
+    for (int i = 0; i < n; ++i) l2c_->forward(ids[i], pos0 + i, kv, logits.data());
+    if (last_logits) std::copy(logits.begin(), logits.end(), last_logits);
+  }
+  /// Token ids of a text (the model's tokenizer; llama2.c: with BOS), no length cut.
+  std::vector<int> encode(const std::string& text) const {
+    return gguf_ ? bpe_->encode(text) : tok_->encode(text, true);
+  }
+  /// Longest sequence the model runs.
+  int max_tokens() const { return kv_geometry().max_tokens; }
+
   kvq::eval::EvalResult evaluate(kvq::eval::KVBackend& kv, const std::vector<std::string>& lines,
                                  const kvq::eval::EvalOptions& opt) {
     return gguf_ ? kvq::eval::evaluate_text(*gguf_, *bpe_, kv, lines, opt)

@@ -34,6 +34,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -53,6 +54,7 @@
 #include "kvq/eval/metrics.hpp"
 #include "kvq/eval/synthetic.hpp"
 #include "kvq/io/kv_dump.hpp"
+#include "kvq/policy/plan.hpp"
 #include "kvq/policy/spec.hpp"
 #include "kvq/io/calibration_file.hpp"
 #include "kvq/quant/quantize.hpp"
@@ -78,6 +80,8 @@ struct Scheme {
     return k.format == kvq::Format::kNuq || v.format == kvq::Format::kNuq;
   }
   std::shared_ptr<const kvq::Policy> calibrated = nullptr;
+  /// A kvq_plan policy (per-layer overrides in `calibrated`; k and v are its base configs).
+  bool planned = false;
 };
 
 kvq::QuantConfig raw(kvq::Format f) { return kvq::raw_config(f); }
@@ -361,6 +365,7 @@ kvq_tools::Row evaluate_scheme(const Scheme& sc, const Input& in) {
 
 /// The scheme as a policy spec (residual 0), for kvq_perplexity / kvq_quantize_dump.
 std::string scheme_spec(const Scheme& sc) {
+  if (sc.planned) return sc.calibrated->spec();
   return "k=" + kvq::config_spec(sc.k) + ",v=" + kvq::config_spec(sc.v) + ",residual=0" +
          (sc.prerope ? " (keys pre-RoPE: kvq_perplexity --prerope)" : "") +
          (sc.needs_calibration() ? " (per-layer codebooks: --calibrate)" : "");
@@ -458,6 +463,80 @@ std::string calibrate_grid(std::vector<Scheme>& grid, const kvq_tools::Calibrati
 
 /// Width of one side's codes: the format's bits (16 for f16/bf16, 32 for f32, 8 for fp8), plus
 /// the QJL residual's bit.
+/// Budgets of the planned rows: the storage bits the grid's schemes span.
+constexpr double kPlanBudgets[] = {2.5, 3.0, 3.5, 4.0, 5.0};
+
+/// The budget planner's schemes (docs/plan.md) on this input: for every layer, the attention
+/// output error of each default candidate on the keys alone and on the values alone (the other
+/// side exact), summed over the query positions; policy/plan.hpp's knapsack then picks the
+/// least summed error per budget. Unlike kvq_plan there is no end-to-end probe (a dump has no
+/// model), so every layer's error counts alike. Budgets no choice fits are listed in `skipped`.
+std::vector<Scheme> planned_schemes(const Input& in, std::vector<std::string>& skipped) {
+  const auto cands = kvq::default_plan_candidates();
+  const kvq::Shape shape = in.shape;
+  const int64_t qstride = static_cast<int64_t>(in.q_heads) * shape.head_dim;
+  kvq::PlanProblem p;
+  p.n_layers = static_cast<int>(in.layers.size());
+  p.candidates = cands;
+  std::vector<float> deq(static_cast<size_t>(shape.numel()));
+  auto quantized = [&](const kvq::QuantConfig& c, const std::vector<float>& x) {
+    kvq::KVView<float> d(deq.data(), shape);
+    kvq::dequantize(kvq::quantize(c, kvq::KVView<const float>(x.data(), shape)), d);
+    return kvq::KVView<const float>(deq.data(), shape);
+  };
+  for (const Layer& L : in.layers) {
+    const kvq::KVView<const float> k(L.k.data(), shape), v(L.v.data(), shape);
+    for (int side = 0; side < 2; ++side) {
+      std::vector<double> dmg, bits;
+      for (const auto& c : cands) {
+        const kvq::QuantConfig& cfg = side == 0 ? c.key : c.value;
+        bits.push_back(kvq::storage_bits(cfg, static_cast<int>(shape.heads),
+                                         static_cast<int>(shape.head_dim)));
+        double e = std::numeric_limits<double>::infinity();
+        try {
+          const auto t = quantized(cfg, side == 0 ? L.k : L.v);
+          e = 0;
+          for (int64_t i = 0; i < L.nq; ++i) {
+            const int64_t n = shape.tokens - L.nq + i + 1;
+            const auto kt = side == 0 ? t : k, vt = side == 0 ? v : t;
+            e += kvq::eval::attention_errors(L.q.data() + i * qstride, in.q_heads,
+                                             k.slice_tokens(0, n), v.slice_tokens(0, n),
+                                             kt.slice_tokens(0, n), vt.slice_tokens(0, n))
+                     .output_rel_error;
+          }
+        } catch (const kvq::Error& err) {  // a candidate whose groups do not fit this shape
+          if (err.kind() != kvq::ErrorKind::kShapeMismatch &&
+              err.kind() != kvq::ErrorKind::kInvalidArgument)
+            throw;
+        }
+        dmg.push_back(e);
+      }
+      p.damage.push_back(dmg);
+      p.bits.push_back(bits);
+    }
+  }
+  std::vector<Scheme> out;
+  for (double budget : kPlanBudgets) {
+    char name[48];
+    std::snprintf(name, sizeof name, "planned <= %.1f storage bits", budget);
+    try {
+      const kvq::PlanChoice r = kvq::plan_allocate(p, budget, kvq::PlanGranularity::kLayerKV);
+      auto pol = std::make_shared<kvq::Policy>(kvq::plan_policy(p, r));
+      Scheme sc;
+      sc.name = name;
+      sc.geometry = "planned per layer and K/V";
+      sc.k = pol->key;
+      sc.v = pol->value;
+      sc.calibrated = pol;
+      sc.planned = true;
+      out.push_back(sc);
+    } catch (const kvq::Error& e) {
+      skipped.push_back(std::string(name) + ": " + e.what());
+    }
+  }
+  return out;
+}
+
 int code_bits(const kvq::QuantConfig& c) {
   switch (c.format) {
     case kvq::Format::kF32:
@@ -502,9 +581,12 @@ void print_compare_table(const std::vector<kvq_tools::Row>& rows, const std::vec
   // Groups: (K bits, V bits), ordered by their mean, then K bits.
   std::vector<size_t> order(rows.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  auto kb = [&](size_t i) { return code_bits(grid[i].k); };
-  auto vb = [&](size_t i) { return code_bits(grid[i].v); };
+  // Planned schemes (mixed widths per layer) form the last group.
+  auto kb = [&](size_t i) { return grid[i].planned ? 1000 : code_bits(grid[i].k); };
+  auto vb = [&](size_t i) { return grid[i].planned ? 1000 : code_bits(grid[i].v); };
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (grid[a].planned != grid[b].planned) return grid[b].planned;
+    if (grid[a].planned) return rows[a].get("effective_bits") < rows[b].get("effective_bits");
     const int sa = kb(a) + vb(a), sb = kb(b) + vb(b);
     if (sa != sb) return sa < sb;
     if (kb(a) != kb(b)) return kb(a) > kb(b);
@@ -523,7 +605,9 @@ void print_compare_table(const std::vector<kvq_tools::Row>& rows, const std::vec
     const int g = kb(i) * 100 + vb(i);
     if (g != group) {
       group = g;
-      const std::string label = kb(i) == vb(i) ? "K and V " + std::to_string(kb(i)) + "-bit codes"
+      const std::string label =
+          grid[i].planned ? std::string("planned per layer and K/V (docs/plan.md)")
+          : kb(i) == vb(i) ? "K and V " + std::to_string(kb(i)) + "-bit codes"
                                                : "K " + std::to_string(kb(i)) + "-bit, V " +
                                                      std::to_string(vb(i)) + "-bit codes";
       const size_t dashes = head.size() > label.size() + 4 ? head.size() - label.size() - 4 : 2;
@@ -706,6 +790,7 @@ int main(int argc, char** argv) {
     }
     if (!calib_what.empty())
       std::fprintf(stderr, "kvq_compare: nuq codebooks from %s\n", calib_what.c_str());
+    for (Scheme& sc : planned_schemes(in, skipped)) full_grid.push_back(std::move(sc));
     std::vector<Scheme> grid;
     std::vector<kvq_tools::Row> rows;
     for (size_t si = 0; si < full_grid.size(); ++si) {

@@ -8,7 +8,7 @@
 // layer, attend one query). An f32 cache is driven in lockstep, so the demo can report how far
 // the quantized cache's attention output drifts from the unquantized one, and an f16 cache too,
 // so the demo can print the decode attention speed (fused kernels straight from the packed
-// codes, kernels/cpu/attention_cpu.hpp) next to the f16 cache's. Prints the memory report:
+// codes, attention/cpu/attention_cpu.hpp) next to the f16 cache's. Prints the memory report:
 // bytes by layer and kind, effective bits per value, compression against f16.
 //
 // The data is synthetic: Gaussian keys with a few large fixed channels (the outlier pattern of

@@ -198,9 +198,11 @@ int main(int argc, char** argv) {
                {"norms_bytes", static_cast<double>(kb.packed.norms + vb.packed.norms)},
                {"other_packed_bytes",
                 static_cast<double>(kb.packed.residual + vb.packed.residual + kb.packed.padding +
-                                    vb.packed.padding + kb.packed.outliers + vb.packed.outliers)},
+                                    vb.packed.padding + kb.packed.outliers + vb.packed.outliers +
+                                    kb.packed.codebooks + vb.packed.codebooks)},
                {"full_precision_bytes",
                 static_cast<double>(kb.sinks + vb.sinks + kb.residual + vb.residual)},
+               {"rollback_bytes", static_cast<double>(kb.rollback + vb.rollback)},
                {"key_rel_mse", kerr / L},
                {"value_rel_mse", verr / L},
                {"attn_score_rel_err", nmeas ? serr / static_cast<double>(nmeas) : 0.0},

@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include <kvq/kernels/cuda/kvq_cuda.cuh>
+#include <kvq/cuda/kvq_cuda.cuh>
 
 namespace {
 

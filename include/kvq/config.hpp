@@ -47,29 +47,33 @@
 #include <immintrin.h>
 #endif
 
-// Compiled-kernels mode (optional; README "Compile once"). By default kvq is header-only:
-// every translation unit that quantizes or runs attention instantiates those kernels itself, and
-// with -O3 the fused attention alone costs a minute or more of compile time per translation
-// unit. A project with many translation units can instead compile them once:
-//   * define KVQ_EXTERN_KERNELS in every translation unit that includes kvq (the heavy entry
-//     points -- kernels::attn::attend_segments, quantize_into<float>, dequantize_tokens<float>
-//     -- are then only declared there), and
-//   * define KVQ_KERNELS_IMPLEMENTATION (it implies KVQ_EXTERN_KERNELS) in exactly one
-//     translation unit that includes <kvq/kvq.hpp>: it holds their one definition.
-// All of them must see the same SIMD level (-march, KVQ_NO_SIMD). The definitions can also be
-// split over two translation units compiled in parallel: KVQ_KERNELS_IMPLEMENTATION_ATTENTION
-// (the fused attention) in one, KVQ_KERNELS_IMPLEMENTATION_QUANTIZE in the other. kvq's own
-// tests, tools and benchmarks build this way (CMake target kvq_kernels, KVQ_COMPILED_KERNELS).
+// Compiled-kernels mode (optional; docs/architecture.md, "Compiled-kernels mode"). By default
+// kvq is header-only: every translation unit that quantizes or runs attention instantiates those
+// kernels itself, and with -O3 the fused attention alone costs a minute or more of compile time
+// per translation unit. A project with many translation units can instead compile them once,
+// with two macros:
+//   * KVQ_EXTERN_KERNELS (declare only): define it in every translation unit that includes kvq.
+//     The heavy entry points -- kernels::attn::attend_segments, quantize_into<float>,
+//     dequantize_tokens<float> -- are then only declared there.
+//   * KVQ_KERNELS_IMPLEMENTATION (define here): define it in exactly one translation unit that
+//     includes <kvq/kvq.hpp>; it holds their one definition (it implies KVQ_EXTERN_KERNELS).
+//     Its value may split the definitions over two units compiled in parallel: 2 = the fused
+//     attention only (include kvq/attention/attention.hpp), 3 = the quantizers only (include
+//     kvq/quant/quantize.hpp); empty or 1 = all of them.
+// All of them must see the same SIMD level (-march, KVQ_NO_SIMD). kvq's own tests, tools,
+// benchmarks and Python module build this way: src/kvq_kernels_attention.cpp and
+// src/kvq_kernels_quantize.cpp (CMake target kvq_kernels, option KVQ_COMPILED_KERNELS).
 #ifdef KVQ_KERNELS_IMPLEMENTATION
-#define KVQ_KERNELS_IMPLEMENTATION_ATTENTION 1
-#define KVQ_KERNELS_IMPLEMENTATION_QUANTIZE 1
-#endif
-// (kvq's own build splits once more: KVQ_KERNELS_SEPARATE_AVX512 with the attention unit moves
-// its AVX-512 instance to a third unit, KVQ_KERNELS_IMPLEMENTATION_ATTENTION_AVX512.)
-#if (defined(KVQ_KERNELS_IMPLEMENTATION_ATTENTION) || \
-     defined(KVQ_KERNELS_IMPLEMENTATION_ATTENTION_AVX512) || \
-     defined(KVQ_KERNELS_IMPLEMENTATION_QUANTIZE)) && !defined(KVQ_EXTERN_KERNELS)
+#ifndef KVQ_EXTERN_KERNELS
 #define KVQ_EXTERN_KERNELS 1
+#endif
+// (KVQ_KERNELS_IMPLEMENTATION + 0): an empty definition reads as 0, i.e. "all".
+#if (KVQ_KERNELS_IMPLEMENTATION + 0) != 3
+#define KVQ_DETAIL_DEFINE_ATTENTION 1  // internal: derived, never set by hand
+#endif
+#if (KVQ_KERNELS_IMPLEMENTATION + 0) != 2
+#define KVQ_DETAIL_DEFINE_QUANTIZE 1  // internal: derived, never set by hand
+#endif
 #endif
 
 namespace kvq {

@@ -2,7 +2,9 @@
 /// \file kvq.hpp
 /// Umbrella header: every public kvq header. Engines that care about compile time include the
 /// layers they use instead (kvq/cache/kv_cache.hpp pulls in everything the cache needs; only
-/// kvq/geometry/dense_rotation.hpp includes Eigen).
+/// kvq/geometry/dense_rotation.hpp includes Eigen). The model runners (kvq/eval/..., the GGUF
+/// reader kvq/io/gguf.hpp) are not part of the library: they live in extras/include, target
+/// kvq::eval, and nothing here includes them (docs/architecture.md).
 #include "kvq/config.hpp"
 #include "kvq/core/bitpack.hpp"
 #include "kvq/core/error.hpp"
@@ -12,7 +14,7 @@
 #include "kvq/format/fp8.hpp"
 #include "kvq/format/meta.hpp"
 #include "kvq/format/uniform.hpp"
-#include "kvq/kernels/cpu/fp8_cpu.hpp"
+#include "kvq/simd/fp8_cpu.hpp"
 #include "kvq/geometry/dense_rotation.hpp"
 #include "kvq/geometry/grouping.hpp"
 #include "kvq/geometry/rotation.hpp"
@@ -22,9 +24,10 @@
 #include "kvq/accounting/accountant.hpp"
 #include "kvq/policy/policy.hpp"
 #include "kvq/policy/spec.hpp"
+#include "kvq/policy/layout.hpp"  // page layouts for engine-owned pages
+#include "kvq/policy/plan.hpp"    // the budget planner's allocation
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/attention/attention.hpp"
-#include "kvq/eval/cache_backend.hpp"
 #include "kvq/layout/page_layout.hpp"
 #include "kvq/cache/page_arena.hpp"
 #include "kvq/io/kv_dump.hpp"
@@ -33,6 +36,3 @@
 #include "kvq/io/npy.hpp"
 #include "kvq/io/safetensors.hpp"
 #include "kvq/io/archive.hpp"
-#include "kvq/eval/metrics.hpp"
-#include "kvq/eval/synthetic.hpp"
-#include "kvq/eval/llama2c.hpp"

@@ -28,6 +28,10 @@ account = _ext.account
 effective_bits = _ext.effective_bits
 load_kv_dump = _ext.load_kv_dump
 save_kv_dump = _ext.save_kv_dump
+calibrate = _ext.calibrate
+needs_calibration = _ext.needs_calibration
+save_calibration = _ext.save_calibration
+load_calibration = _ext.load_calibration
 simd_level = _ext.simd_level
 
 __version__: str = _ext.__version__
@@ -56,6 +60,10 @@ __all__ = [
     "effective_bits",
     "load_kv_dump",
     "save_kv_dump",
+    "calibrate",
+    "needs_calibration",
+    "save_calibration",
+    "load_calibration",
     "simd_level",
     "variant",
     "built_variants",

@@ -4,6 +4,7 @@ Tensors ("ArrayLike" below) are numpy arrays or any DLPack producer (e.g. a torc
 of float32, float16 or bfloat16, laid out [tokens, heads, head_dim] with any non-negative,
 non-overlapping strides. Results are numpy arrays, themselves DLPack producers.
 """
+import os
 from typing import Any, Literal, Optional, Sequence, Union
 
 import numpy as np
@@ -76,6 +77,18 @@ class QuantConfig:
     @property
     def qjl(self) -> bool: ...
     @property
+    def outliers(self) -> int:
+        """Dense-and-sparse outliers kept exactly per vector (/out<k>); 0 when none or a percent."""
+    @property
+    def outlier_pct(self) -> float:
+        """Outliers as a percent of head_dim (/out<P>%); 0 when given as a count."""
+    @property
+    def nuq_ready(self) -> bool:
+        """nuq: whether the config carries a calibrated codebook (kvq.calibrate)."""
+    @property
+    def nuq_levels(self) -> Optional[list[float]]:
+        """nuq: the calibrated codebook (2^bits ascending levels in [0, 1]); None otherwise."""
+    @property
     def seed(self) -> int: ...
     @property
     def name(self) -> str:
@@ -144,7 +157,10 @@ class QTensor:
     def breakdown(self) -> ByteBreakdown:
         """Stored bytes by kind."""
     def buffers(self) -> dict[str, bytes]:
-        """Copies of the packed arrays: codes, scales, zeros, norms, qjl_signs, qjl_norms."""
+        """Copies of the packed arrays: codes, scales, zeros, norms, qjl_signs, qjl_norms,
+        outlier_values (fp16 bits) and outlier_pos (uint8, or little-endian uint16 when
+        head_dim > 256), each [tokens, heads, k] for /out<k> configs. Their lengths add up to
+        nbytes."""
     def dequantize(self, dtype: DTypeLike = "float32",
                    out: Optional[ArrayLike] = None) -> npt.NDArray[Any]:
         """Reconstructs the tensor as a new float32/float16 numpy array [tokens, heads,
@@ -260,3 +276,22 @@ def save_kv_dump(path: str, layers: Sequence[dict[str, ArrayLike]],
                  format: Literal["safetensors", "npy"] = "safetensors") -> None:
     """Writes a KV dump from one dict per layer ("k", "v", optional "q", "k_prerope"), each
     [tokens, heads, head_dim] float32/float16/bfloat16 (dtype kept). Validated first."""
+
+def calibrate(policy: Union[Policy, str], data: Union[str, "os.PathLike[str]", Sequence[dict[str, ArrayLike]]],
+              *, prerope_keys: bool = False,
+              weights: Literal["sensitivity", "uniform"] = "sensitivity",
+              max_iterations: int = 1000, max_samples: int = 4 << 20) -> Policy:
+    """Learns the nuq codebooks `policy` needs (policy/calibrate.hpp) on a KV dump: a path, or
+    one dict per layer as save_kv_dump takes ("k", "v", optional "q" for the sensitivity
+    weights, "k_prerope" with prerope_keys=True). Returns the calibrated Policy (per-layer
+    overrides carry the codebooks), which KVCache, key_for/value_for and quantize accept. A
+    policy without nuq comes back unchanged. Raises kvq.Error for bad data (non-finite values,
+    too few tokens for one block, mismatched shapes). Releases the GIL."""
+def needs_calibration(policy: Union[Policy, str], n_layers: int) -> bool:
+    """True when some layer of an n_layers model stores keys or values as nuq."""
+def save_calibration(path: str, policy: Union[Policy, str], n_layers: int, source: str = "",
+                     weights: Literal["sensitivity", "uniform"] = "sensitivity") -> None:
+    """Writes the calibration file (JSON, docs/policy.md) of a calibrated policy."""
+def load_calibration(path: str, policy: Union[Policy, str], n_layers: int) -> Policy:
+    """`policy` with the codebooks of a calibration file (learned for the same nuq
+    normalization and depth; kvq.Error names the first mismatch)."""

@@ -8,8 +8,15 @@ one ``kvq.KVCache`` per batch row; ``update`` appends the new states and returns
 contents (what attention then reads is exactly what kvq stores). Unlike ``QuantizedCache``, the
 window is not re-quantized wholesale when it fills: kvq packs whole blocks as they leave it.
 
+Cost per step. Each layer keeps the dequantized contents in one tensor on the model's device
+and dtype, ``[batch, kv_heads, capacity, head_dim]`` (capacity doubles as needed), and
+``update`` re-reads from kvq only what can have changed since the last step: the tokens after
+the stable prefix (sinks and packed blocks, which kvq never rewrites), i.e. the new tokens and
+the full-precision window. A decode step therefore costs O(new tokens + window), not O(T);
+``update`` returns views of that tensor (python/benchmarks/bench_hf_step.py measures it).
+
 Needs torch and transformers >= 4.56 (the layered Cache API); importing ``kvq.hf`` without them
-raises ImportError. Tested with torch 2.15.0 and transformers 5.24.0 (see docs/python.md).
+raises ImportError. Tested with torch 2.15.0 and transformers 5.24.0 and 5.25.0 (docs/python.md).
 
     from kvq.hf import KvqCache
     cache = KvqCache("k8v4", model.config)
@@ -95,10 +102,33 @@ class KvqLayer(DynamicLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         batch, kv_heads, _, head_dim = key_states.shape
         self._rows = [kvq.KVCache(self.policy, 1, kv_heads, head_dim) for _ in range(batch)]
+        # The dequantized contents on the model's device: [batch, kv_heads, capacity, head_dim];
+        # tokens [0, _stable) equal kvq's and can no longer change (sinks, packed blocks).
+        self._dk: Optional[torch.Tensor] = None
+        self._dv: Optional[torch.Tensor] = None
+        self._stable = 0
         # Placeholders: transformers' generic code may look at .keys/.values; the data is in kvq.
         self.keys = torch.tensor([], dtype=self.dtype, device=self.device)
         self.values = torch.tensor([], dtype=self.dtype, device=self.device)
         self.is_initialized = True
+
+    def _reserve(self, tokens: int, like: torch.Tensor) -> None:
+        """Grows the device copy to hold `tokens` (capacity doubles; the stable prefix moves)."""
+        cap = 0 if self._dk is None else self._dk.shape[2]
+        if tokens <= cap:
+            return
+        batch, kv_heads, _, head_dim = like.shape
+        new_cap = max(tokens, 2 * cap, 64)
+        dk = torch.empty((batch, kv_heads, new_cap, head_dim), dtype=self.dtype, device=self.device)
+        dv = torch.empty_like(dk)
+        if self._dk is not None and self._stable > 0:
+            dk[:, :, : self._stable].copy_(self._dk[:, :, : self._stable])
+            dv[:, :, : self._stable].copy_(self._dv[:, :, : self._stable])
+        self._dk, self._dv = dk, dv
+
+    def _stable_tokens(self) -> int:
+        """Tokens of every row that kvq will not rewrite: sinks and packed blocks."""
+        return min(row.sink_tokens(0) + row.packed_tokens(0) for row in self._rows)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -116,15 +146,18 @@ class KvqLayer(DynamicLayer):
                 "(use batch_select_indices / batch_repeat_interleave)"
             )
         k, v = _kv_input(key_states), _kv_input(value_states)
-        keys, values = [], []
         for b, row in enumerate(self._rows):
             row.append(0, k[b].transpose(0, 1), v[b].transpose(0, 1))
-            kk, vv = row.read(0)
-            keys.append(torch.from_numpy(kk))
-            values.append(torch.from_numpy(vv))
-        out_k = torch.stack(keys).transpose(1, 2).to(dtype=key_states.dtype, device=key_states.device)
-        out_v = torch.stack(values).transpose(1, 2).to(dtype=value_states.dtype, device=value_states.device)
-        return out_k, out_v
+        n = self._rows[0].tokens(0)
+        self._reserve(n, key_states)
+        # Re-read only what may differ from the device copy: [stable, n) (window + new tokens).
+        s = self._stable
+        for b, row in enumerate(self._rows):
+            kk, vv = row.read(0, s, n)
+            self._dk[b, :, s:n].copy_(torch.from_numpy(kk).transpose(0, 1), non_blocking=False)
+            self._dv[b, :, s:n].copy_(torch.from_numpy(vv).transpose(0, 1), non_blocking=False)
+        self._stable = self._stable_tokens()
+        return self._dk[:, :, :n], self._dv[:, :, :n]
 
     def get_seq_length(self) -> int:
         return self._rows[0].tokens(0) if self.is_initialized and self._rows else 0
@@ -135,6 +168,7 @@ class KvqLayer(DynamicLayer):
     def reset(self) -> None:
         for row in self._rows:
             row.clear()
+        self._stable = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Negative: drop that many newest tokens; positive (older transformers): keep that many."""
@@ -145,6 +179,8 @@ class KvqLayer(DynamicLayer):
         keep = max(0, keep)
         for row in self._rows:
             row.truncate(keep)
+        # Tokens past `keep` are gone and a truncation may move packed tokens back to the window.
+        self._stable = min(self._stable, keep, self._stable_tokens())
 
     def _select(self, indices: Sequence[int]) -> None:
         used: set[int] = set()
@@ -154,6 +190,10 @@ class KvqLayer(DynamicLayer):
             rows.append(self._rows[i] if i not in used else self._rows[i].copy())
             used.add(i)
         self._rows = rows
+        if self._dk is not None:
+            idx = torch.as_tensor([int(i) for i in indices], dtype=torch.long, device=self._dk.device)
+            self._dk = self._dk.index_select(0, idx)
+            self._dv = self._dv.index_select(0, idx)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:

@@ -37,7 +37,9 @@
 #include "kvq/config.hpp"
 #include "kvq/core/error.hpp"
 #include "kvq/core/rows.hpp"
+#include "kvq/io/calibration_file.hpp"
 #include "kvq/io/kv_dump.hpp"
+#include "kvq/policy/calibrate.hpp"
 #include "kvq/policy/spec.hpp"
 #include "kvq/quant/quantize.hpp"
 
@@ -507,6 +509,42 @@ NpArray from_io_array(const kvq::io::Array& a) {
 
 const char* kKinds[] = {"k", "v", "q", "k_prerope"};
 
+/// A KV dump from a list of layer dicts {'k': ..., 'v': ..., optional 'q', 'k_prerope'}
+/// (copies; the GIL is held). `fn` names the caller in messages.
+kvq::io::KVDump dump_from_layers(nb::handle layers, const char* fn) {
+  if (!nb::isinstance<nb::sequence>(layers) || nb::isinstance<nb::str>(layers))
+    type_error(kvq::detail::cat(fn, ": layers must be a list of dicts {'k': ..., 'v': ..., "
+                                "optional 'q', 'k_prerope'}, got ",
+                                py_type_name(layers)));
+  kvq::io::KVDump dump;
+  size_t i = 0;
+  for (nb::handle item : layers) {
+    if (!nb::isinstance<nb::dict>(item))
+      type_error(kvq::detail::cat(fn, ": layer ", i, " must be a dict, got ",
+                                  py_type_name(item)));
+    nb::dict d = nb::borrow<nb::dict>(item);
+    for (auto [key, value] : d) {
+      const std::string k = nb::cast<std::string>(nb::str(key));
+      bool known = false;
+      for (const char* kk : kKinds) known = known || k == kk;
+      KVQ_REQUIRE(known, kInvalidArgument, fn, ": layer ", i,
+                  " has an unknown entry '", k, "' (expected k, v, q, k_prerope)");
+    }
+    KVQ_REQUIRE(d.contains("k") && d.contains("v"), kInvalidArgument,
+                fn, ": layer ", i, " needs both 'k' and 'v'");
+    kvq::io::KVDump::Layer L;
+    const std::string base = "layers." + std::to_string(i) + ".";
+    L.k = to_io_array(d["k"], (base + "k").c_str());
+    L.v = to_io_array(d["v"], (base + "v").c_str());
+    if (d.contains("q")) L.q = to_io_array(d["q"], (base + "q").c_str());
+    if (d.contains("k_prerope"))
+      L.k_prerope = to_io_array(d["k_prerope"], (base + "k_prerope").c_str());
+    dump.layers.push_back(std::move(L));
+    ++i;
+  }
+  return dump;
+}
+
 }  // namespace
 
 NB_MODULE(KVQ_PY_MODULE, m) {
@@ -604,6 +642,18 @@ NB_MODULE(KVQ_PY_MODULE, m) {
       .def_prop_ro("meta", [](const kvq::QuantConfig& c) { return std::string(kvq::to_string(c.meta)); })
       .def_ro("fp8_margin", &kvq::QuantConfig::fp8_margin)
       .def_ro("qjl", &kvq::QuantConfig::qjl)
+      .def_ro("outliers", &kvq::QuantConfig::outliers)
+      .def_ro("outlier_pct", &kvq::QuantConfig::outlier_pct)
+      .def_ro("nuq_ready", &kvq::QuantConfig::nuq_ready)
+      .def_prop_ro("nuq_levels",
+                   [](const kvq::QuantConfig& c) {
+                     // The calibrated codebook (2^bits ascending levels); None before calibration.
+                     std::optional<std::vector<float>> out;
+                     if (c.format == kvq::Format::kNuq && c.nuq_ready)
+                       out = std::vector<float>(c.nuq_levels.begin(),
+                                                c.nuq_levels.begin() + (size_t{1} << c.bits));
+                     return out;
+                   })
       .def_ro("seed", &kvq::QuantConfig::seed)
       .def_prop_ro("name", &kvq::QuantConfig::name)
       .def_prop_ro("spec", [](const kvq::QuantConfig& c) { return kvq::config_spec(c); })
@@ -709,6 +759,10 @@ NB_MODULE(KVQ_PY_MODULE, m) {
              d["norms"] = to_bytes(t.q.norms.raw().data(), t.q.norms.bytes());
              d["qjl_signs"] = to_bytes(t.q.qjl_signs.data(), t.q.qjl_signs.size());
              d["qjl_norms"] = to_bytes(t.q.qjl_norms.raw().data(), t.q.qjl_norms.bytes());
+             // Dense-and-sparse (/out<k>): [tokens, heads, k] fp16 values and channel indices
+             // (1 byte each, 2 little-endian when head_dim > 256); empty without outliers.
+             d["outlier_values"] = to_bytes(t.q.outlier_values.data(), t.q.outlier_values.size());
+             d["outlier_pos"] = to_bytes(t.q.outlier_pos.data(), t.q.outlier_pos.size());
              return d;
            })
       .def(
@@ -831,13 +885,19 @@ NB_MODULE(KVQ_PY_MODULE, m) {
       .def(
           "read",
           [](const PyCache& c, int layer, int64_t begin, std::optional<int64_t> end) {
+            // Everything is validated before the output arrays are allocated: a bad layer or an
+            // end past the stored tokens is a kvq.Error, never a MemoryError from a huge array.
             int64_t e;
             {
               std::shared_lock<std::shared_mutex> lk(c.mu);
-              e = end ? *end : c.cache.tokens(layer);
+              KVQ_REQUIRE(layer >= 0 && layer < c.cache.n_layers(), kOutOfRange,
+                          "KVCache.read: layer ", layer, " out of range [0, ", c.cache.n_layers(),
+                          ")");
+              const int64_t n = c.cache.tokens(layer);
+              e = end ? *end : n;
+              KVQ_REQUIRE(0 <= begin && begin <= e && e <= n, kOutOfRange, "KVCache.read: range [",
+                          begin, ", ", e, ") is not within the ", n, " tokens of layer ", layer);
             }
-            KVQ_REQUIRE(0 <= begin && begin <= e, kOutOfRange, "KVCache.read: range [", begin,
-                        ", ", e, ") is empty-negative or reversed");
             const kvq::Shape s{e - begin, c.cache.kv_heads(), c.cache.head_dim()};
             OutBuffer k = new_array(shape_vec(s), nb::dtype<float>());
             OutBuffer v = new_array(shape_vec(s), nb::dtype<float>());
@@ -1000,40 +1060,76 @@ NB_MODULE(KVQ_PY_MODULE, m) {
       [](const std::string& path, nb::handle layers, const std::string& format) {
         KVQ_REQUIRE(format == "safetensors" || format == "npy", kInvalidArgument,
                     "kvq.save_kv_dump: format must be 'safetensors' or 'npy', got '", format, "'");
-        if (!nb::isinstance<nb::sequence>(layers) || nb::isinstance<nb::str>(layers))
-          type_error("kvq.save_kv_dump: layers must be a list of dicts {'k': ..., 'v': ..., "
-                     "optional 'q', 'k_prerope'}, got " +
-                     py_type_name(layers));
-        kvq::io::KVDump dump;
-        size_t i = 0;
-        for (nb::handle item : layers) {
-          if (!nb::isinstance<nb::dict>(item))
-            type_error(kvq::detail::cat("kvq.save_kv_dump: layer ", i, " must be a dict, got ",
-                                        py_type_name(item)));
-          nb::dict d = nb::borrow<nb::dict>(item);
-          for (auto [key, value] : d) {
-            const std::string k = nb::cast<std::string>(nb::str(key));
-            bool known = false;
-            for (const char* kk : kKinds) known = known || k == kk;
-            KVQ_REQUIRE(known, kInvalidArgument, "kvq.save_kv_dump: layer ", i,
-                        " has an unknown entry '", k, "' (expected k, v, q, k_prerope)");
-          }
-          KVQ_REQUIRE(d.contains("k") && d.contains("v"), kInvalidArgument,
-                      "kvq.save_kv_dump: layer ", i, " needs both 'k' and 'v'");
-          kvq::io::KVDump::Layer L;
-          const std::string base = "layers." + std::to_string(i) + ".";
-          L.k = to_io_array(d["k"], (base + "k").c_str());
-          L.v = to_io_array(d["v"], (base + "v").c_str());
-          if (d.contains("q")) L.q = to_io_array(d["q"], (base + "q").c_str());
-          if (d.contains("k_prerope"))
-            L.k_prerope = to_io_array(d["k_prerope"], (base + "k_prerope").c_str());
-          dump.layers.push_back(std::move(L));
-          ++i;
-        }
+        kvq::io::KVDump dump = dump_from_layers(layers, "kvq.save_kv_dump");
         nb::gil_scoped_release nogil;
         kvq::io::save_kv_dump(path, dump,
                               format == "npy" ? kvq::io::DumpFormat::kNpyDir
                                               : kvq::io::DumpFormat::kSafetensors);
       },
       "path"_a, "layers"_a, "format"_a = "safetensors");
+
+  // ------------------------------------------------------------------------------ calibration
+  // nuq codebooks (policy/calibrate.hpp): learned on a KV dump (a path or the layer dicts
+  // save_kv_dump takes), returned as a calibrated Policy whose per-layer overrides carry them;
+  // KVCache and policy.key_for(...) -> kvq.quantize accept it like any policy.
+  m.def(
+      "calibrate",
+      [](nb::handle policy, nb::handle data, bool prerope_keys, const std::string& weights,
+         int max_iterations, size_t max_samples) {
+        const kvq::Policy p = policy_from(policy, "kvq.calibrate");
+        KVQ_REQUIRE(weights == "sensitivity" || weights == "uniform", kInvalidArgument,
+                    "kvq.calibrate: weights must be 'sensitivity' or 'uniform', got '", weights,
+                    "'");
+        KVQ_REQUIRE(max_iterations >= 1, kInvalidArgument,
+                    "kvq.calibrate: max_iterations must be >= 1, got ", max_iterations);
+        KVQ_REQUIRE(max_samples >= 1, kInvalidArgument,
+                    "kvq.calibrate: max_samples must be >= 1, got ", max_samples);
+        kvq::CalibrationOptions opt;
+        opt.weights = weights == "uniform" ? kvq::CalibrationWeights::kUniform
+                                           : kvq::CalibrationWeights::kSensitivity;
+        opt.max_iterations = max_iterations;
+        opt.max_samples = max_samples;
+        kvq::io::KVDump dump;
+        const bool is_path = nb::isinstance<nb::str>(data) ||
+                             nb::hasattr(data, "__fspath__");
+        std::string path;
+        if (is_path) {
+          path = nb::cast<std::string>(nb::str(nb::module_::import_("os").attr("fspath")(data)));
+        } else {
+          dump = dump_from_layers(data, "kvq.calibrate");
+        }
+        nb::gil_scoped_release nogil;
+        if (is_path) dump = kvq::io::load_kv_dump(path);
+        return kvq::calibrate(p, dump, prerope_keys, opt);
+      },
+      "policy"_a, "data"_a, nb::kw_only(), "prerope_keys"_a = false, "weights"_a = "sensitivity",
+      "max_iterations"_a = 1000, "max_samples"_a = size_t{4} << 20);
+  m.def(
+      "needs_calibration",
+      [](nb::handle policy, int n_layers) {
+        return kvq::needs_calibration(policy_from(policy, "kvq.needs_calibration"), n_layers);
+      },
+      "policy"_a, "n_layers"_a);
+  m.def(
+      "save_calibration",
+      [](const std::string& path, nb::handle policy, int n_layers, const std::string& source,
+         const std::string& weights) {
+        KVQ_REQUIRE(weights == "sensitivity" || weights == "uniform", kInvalidArgument,
+                    "kvq.save_calibration: weights must be 'sensitivity' or 'uniform', got '",
+                    weights, "'");
+        const kvq::Policy p = policy_from(policy, "kvq.save_calibration");
+        nb::gil_scoped_release nogil;
+        kvq::save_calibration(path, p, n_layers, source,
+                              weights == "uniform" ? kvq::CalibrationWeights::kUniform
+                                                   : kvq::CalibrationWeights::kSensitivity);
+      },
+      "path"_a, "policy"_a, "n_layers"_a, "source"_a = "", "weights"_a = "sensitivity");
+  m.def(
+      "load_calibration",
+      [](const std::string& path, nb::handle policy, int n_layers) {
+        const kvq::Policy p = policy_from(policy, "kvq.load_calibration");
+        nb::gil_scoped_release nogil;
+        return kvq::apply_calibration(p, kvq::load_calibration(path), n_layers);
+      },
+      "path"_a, "policy"_a, "n_layers"_a);
 }

@@ -40,15 +40,15 @@ def oracle(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("no C++ compiler or kvq headers for the oracle")
     d = tmp_path_factory.mktemp("oracle")
     exe = d / "kvq_oracle"
-    # kvq's compiled-kernels mode (include/kvq/config.hpp): the oracle and the three kernel
-    # translation units of REPO/cmake compile in parallel, then link. KVQ_KERNELS_LIB (set by
+    # kvq's compiled-kernels mode (include/kvq/config.hpp): the oracle and the two kernel
+    # translation units of REPO/src compile in parallel, then link. KVQ_KERNELS_LIB (set by
     # `./kvq.sh python` when the release build has it): that build's libkvq_kernels.a, the same
     # units compiled with -O3 -march=native from the same headers, is linked instead of compiling
     # them again (only for the "native" module variant, whose flags it shares).
     lib = os.environ.get("KVQ_KERNELS_LIB", "")
     reuse = bool(lib) and Path(lib).is_file() and kvq.variant == "native"
-    units = [src] + ([] if reuse else [REPO / "cmake" / f"kvq_kernels_{u}.cpp"
-                                       for u in ("attention", "attention_avx512", "quantize")])
+    units = [src] + ([] if reuse else [REPO / "src" / f"kvq_kernels_{u}.cpp"
+                                       for u in ("attention", "quantize")])
     flags = ["-std=c++17", "-O3", *VARIANT_FLAGS[kvq.variant], "-DKVQ_EXTERN_KERNELS=1", "-I",
              str(include)]
     cmds = [[cxx, *flags, "-c", str(u), "-o", str(d / (u.stem + ".o"))] for u in units]

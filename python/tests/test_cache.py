@@ -106,6 +106,11 @@ def test_cache_ops_and_bad_input() -> None:
         c.append(1, x[:, :1], x[:, :1])  # wrong kv_heads
     with pytest.raises(kvq.Error):
         c.read(1, 0, 41)
+    # Validated before the output arrays are allocated: never a MemoryError.
+    for args in ((1, 0, 2**62), (1, 0, 2**40), (7,), (-1,), (1, 5, 3), (1, -1, 3)):
+        with pytest.raises(kvq.Error) as e:
+            c.read(*args)
+        assert e.value.kind == "out_of_range", args
     with pytest.raises(kvq.Error, match="multiple"):
         c.attend(1, kv_data(1, 3, D))
     with pytest.raises(kvq.Error):

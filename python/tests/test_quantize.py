@@ -22,8 +22,10 @@ TERMS = [
     "int2/channel/g32", "int4/channel/g32", "int4/channel/g16", "int4/head/g32", "int4/tensor/g64",
     "e4m3/head", "e4m3/token", "e4m3/tensor", "e5m2/head", "e4m3/head/g16",
     "lm1", "lm2", "lm3", "lm4", "lm4/f32meta", "lm3/qjl",
+    # dense-and-sparse outliers: their fp16 values and positions are buffers too
+    "int4/token/g32/out2", "int2/channel/g32/out1%", "e4m3/head/out4",
 ]
-BUFFERS = ("codes", "scales", "zeros", "norms", "qjl_signs", "qjl_norms")
+BUFFERS = ("codes", "scales", "zeros", "norms", "qjl_signs", "qjl_norms", "outlier_values", "outlier_pos")
 
 
 def _oracle_quantize(oracle: Path, tmp: Path, term: str, x: np.ndarray):
@@ -55,6 +57,37 @@ def test_packed_bytes_equal_cpp(oracle: Path, tmp_path: Path, term: str) -> None
     assert kvq.account(term, SHAPE)["total"] == q.nbytes
     _, acc, _ = run_oracle(oracle, "account", term, *SHAPE)
     assert f"{kvq.effective_bits(term, SHAPE):.17g}" == acc["effective_bits"]
+
+
+@pytest.mark.parametrize("term,shape,k", [("int4/token/g32/out3", (16, 2, 384), 3),
+                                          ("sint4/token/g32/out1%", (8, 3, 128), 2),
+                                          ("e4m3/token/out2", (5, 1, 64), 2)])
+def test_outlier_buffers_hold_every_byte(term: str, shape: tuple, k: int) -> None:
+    # An outlier config: every byte nbytes counts is in a buffer, and the outlier buffers have
+    # the sizes docs/outliers.md gives (k fp16 values and k positions per (token, head) vector,
+    # a position 2 bytes when head_dim > 256).
+    x = kv_data(*shape, seed=5)
+    q = kvq.quantize(x, term)
+    bufs = q.buffers()
+    vectors = shape[0] * shape[1]
+    assert len(bufs["outlier_values"]) == 2 * k * vectors
+    assert len(bufs["outlier_pos"]) == (2 if shape[2] > 256 else 1) * k * vectors
+    assert sum(len(b) for b in bufs.values()) + q.breakdown().get("seeds", 0) == q.nbytes
+    assert q.breakdown()["outliers"] == len(bufs["outlier_values"]) + len(bufs["outlier_pos"])
+    # The stored outliers are, per vector, the k entries farthest from their group's mean in
+    # units of its standard deviation (docs/outliers.md; token axis: groups of G channels),
+    # positions ascending, values the entries in fp16. Recomputed here in numpy (float64).
+    G = q.config.group or shape[2]
+    xg = x.astype(np.float64).reshape(shape[0], shape[1], shape[2] // G, G)
+    sd = xg.std(axis=3, keepdims=True)
+    score = np.where(sd > 0, np.abs(xg - xg.mean(axis=3, keepdims=True)) / np.where(sd > 0, sd, 1), 0)
+    score = score.reshape(shape)
+    want = np.sort(np.argsort(-score, axis=2, kind="stable")[:, :, :k], axis=2)
+    pos = np.frombuffer(bufs["outlier_pos"], dtype="<u2" if shape[2] > 256 else np.uint8)
+    pos = pos.reshape(shape[0], shape[1], k).astype(np.int64)
+    vals = np.frombuffer(bufs["outlier_values"], dtype="<f2").reshape(shape[0], shape[1], k)
+    assert np.array_equal(pos, want)
+    assert np.array_equal(vals, np.take_along_axis(x, pos, axis=2).astype(np.float16))
 
 
 @pytest.mark.parametrize("term", ["int4/token/g32", "int2/channel/g32", "e4m3/head", "lm4"])

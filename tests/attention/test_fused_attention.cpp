@@ -1,4 +1,4 @@
-// Tests for the fused attention kernels (kernels/cpu/attention_cpu.hpp through
+// Tests for the fused attention kernels (attention/cpu/attention_cpu.hpp through
 // attention/attention.hpp) against the double-precision oracle (reference/attention_ref.hpp):
 // every stored format pair the spec grammar accepts, GQA 1/4/8, head_dim 64/96/128/256 (and
 // 8/40 for the narrower vector paths), sinks / residual / partial chunks, decode and prefill,

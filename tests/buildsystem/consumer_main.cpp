@@ -36,8 +36,7 @@ int main() {
     cache_err = std::fmax(cache_err, std::fabs(x[i] - kd[i]) + std::fabs(x[i] - vd[i]));
   }
   // What an f32 cache of the same tokens holds: 2 layers x (K + V) x 64 x 2 x 32 floats. The
-  // k8v4 cache must be smaller even though it keeps the f32 originals of each layer's newest
-  // page for exact rollback (KVCacheOptions::exact_rollback, counted in total()).
+  // k8v4 cache must be smaller (its f32 tails included in total()).
   const std::size_t f32_bytes = 2 * 2 * x.size() * sizeof(float);
   std::printf("k8v4 cache: %zu bytes (f32 cache: %zu), max abs err %.4f\n",
               cache.memory_report().total(), f32_bytes, cache_err);

@@ -88,7 +88,7 @@ TEST(PagedCache, DecodeAllocatesNothingOnceReserved) {
 // grows; memory_report() equals pages x page bytes + the f32 rows.
 TEST(PagedCache, PageTableMatchesSegmentsAndPagesDoNotMove) {
   const int H = 2, D = 32;
-  KVCache c(parse_policy("kivi2,sinks=5"), 1, H, D);
+  KVCache c(parse_policy("kivi2,sinks=5"), 1, H, D, 0, kvq::KVCacheOptions{true});
   const auto k = kvq_test::kv_data(Shape{400, H, D}, 3, true);
   const auto v = kvq_test::kv_data(Shape{400, H, D}, 4, false);
   c.append(0, KVView<const float>::nhd(k.data(), 100, H, D),

@@ -69,7 +69,8 @@ TEST_P(SpeculativeRollback, EqualsACacheThatOnlySawTheAcceptedTokens) {
   const auto junk_k = kvq_test::kv_data(Shape{total, H, D}, 9, true);
   const auto junk_v = kvq_test::kv_data(Shape{total, H, D}, 10, false);
   const auto q = kvq_test::kv_data(Shape{3, NH, D}, 11, false);
-  KVCache spec(p, L, H, D), plain(p, L, H, D);
+  const kvq::KVCacheOptions exact{true};  // opt-in (off by default)
+  KVCache spec(p, L, H, D, 0, exact), plain(p, L, H, D, 0, exact);
   const int64_t B = spec.block_tokens(0);
   std::mt19937 rng(12);
   int64_t n = 0, steps = 0, unpacked = 0;
@@ -120,7 +121,8 @@ TEST(Rollback, IssueExampleKivi2) {
   const int H = 2, D = 16;
   const auto k = kvq_test::kv_data(Shape{100, H, D}, 1, true);
   const auto v = kvq_test::kv_data(Shape{100, H, D}, 2, false);
-  KVCache c(parse_policy("kivi2"), 1, H, D), never(parse_policy("kivi2"), 1, H, D);
+  const kvq::KVCacheOptions exact{true};
+  KVCache c(parse_policy("kivi2"), 1, H, D, 0, exact), never(parse_policy("kivi2"), 1, H, D, 0, exact);
   append(c, k, v, 0, 70);
   append(never, k, v, 0, 70);
   EXPECT_EQ(c.packed_tokens(0), 32);
@@ -147,7 +149,7 @@ TEST(Rollback, CutInsideTheNewestPageIsExactOlderPagesAreReRounded) {
   const int H = 2, D = 16;
   const auto k = kvq_test::kv_data(Shape{200, H, D}, 3, true);
   const auto v = kvq_test::kv_data(Shape{200, H, D}, 4, false);
-  KVCache c(parse_policy("kivi4,residual=0,sinks=2"), 1, H, D);
+  KVCache c(parse_policy("kivi4,residual=0,sinks=2"), 1, H, D, 0, kvq::KVCacheOptions{true});
   append(c, k, v, 0, 100);  // sinks 2, pages [2,34) [34,66) [66,98), residual 2
   EXPECT_TRUE(c.truncate_is_exact(0, 80));   // inside the newest page
   EXPECT_FALSE(c.truncate_is_exact(0, 50));  // inside an older page
@@ -159,7 +161,7 @@ TEST(Rollback, CutInsideTheNewestPageIsExactOlderPagesAreReRounded) {
   a.read(0, 66, 80, KVView<float>::nhd(rk.data(), 14, H, D), KVView<float>::nhd(rv.data(), 14, H, D));
   EXPECT_TRUE(std::equal(rk.begin(), rk.end(), k.begin() + 66 * H * D));  // the originals
   EXPECT_TRUE(std::equal(rv.begin(), rv.end(), v.begin() + 66 * H * D));
-  KVCache never(parse_policy("kivi4,residual=0,sinks=2"), 1, H, D);
+  KVCache never(parse_policy("kivi4,residual=0,sinks=2"), 1, H, D, 0, kvq::KVCacheOptions{true});
   append(never, k, v, 0, 80);
   EXPECT_EQ(layer_bytes(a, 0), layer_bytes(never, 0));
   // After that rollback the previous page's originals are gone: a cut inside it re-rounds.

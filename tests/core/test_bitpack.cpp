@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "kvq/core/bitpack.hpp"
-#include "kvq/kernels/cpu/uniform_cpu.hpp"
+#include "kvq/simd/uniform_cpu.hpp"
 
 namespace {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include <kvq/format/fp4.hpp>
-#include <kvq/kernels/common/element.hpp>
+#include <kvq/format/element.hpp>
 #include <kvq/kvq.hpp>
 
 namespace kvq_cuda_test {

@@ -1,4 +1,4 @@
-// Tests of the CUDA kernel layer (include/kvq/kernels/cuda/) against the CPU implementation.
+// Tests of the CUDA kernel layer (include/kvq/cuda/) against the CPU implementation.
 //
 // Two kinds:
 //  - HostEmulated.*: the per-thread bodies of the elementwise kernels (append params / encode /
@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include <kvq/kernels/cuda/kvq_cuda.cuh>
+#include <kvq/cuda/kvq_cuda.cuh>
 #include <kvq/layout/page_layout.hpp>
 
 namespace {

@@ -5,7 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -97,6 +99,80 @@ TEST(BpeTokenizer, MergesLowestRankFirstLeftmostOnTies) {
   const auto t4 = tiny({sym(' ') + " a"}, {sym(' ') + "a"});
   EXPECT_EQ(t4.encode("a a"), (std::vector<int>{'a', 256}));
   EXPECT_EQ(t4.decode(t4.encode("a a")), "a a");
+}
+
+/// The textbook BPE of one word, written independently of the tokenizer: rescan every
+/// adjacent pair, merge the one of lowest rank (leftmost on ties), repeat. Quadratic; for short
+/// words only. Returns the final symbols.
+std::vector<std::string> reference_bpe(const std::string& word,
+                                       const std::vector<std::string>& merges) {
+  std::vector<std::string> s;
+  for (unsigned char c : word) s.push_back(sym(c));
+  for (;;) {
+    size_t best_rank = merges.size(), at = 0;
+    for (size_t k = 0; k + 1 < s.size(); ++k) {
+      const std::string pair = s[k] + " " + s[k + 1];
+      for (size_t r = 0; r < best_rank; ++r)
+        if (merges[r] == pair) {
+          best_rank = r;
+          at = k;
+          break;
+        }
+    }
+    if (best_rank == merges.size()) return s;
+    s[at] += s[at + 1];
+    s.erase(s.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+  }
+}
+
+TEST(BpeTokenizer, MergesEqualTheTextbookRescanOnRandomWords) {
+  // Random merge lists over {a, b, c} (every merge result in the vocabulary) and random words:
+  // the tokenizer's heap-ordered merges give exactly the rescan's symbols.
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<std::string> pool = {"a", "b", "c"}, merges, extra;
+    const int n_merges = 1 + static_cast<int>(rng() % 12);
+    for (int m = 0; m < n_merges; ++m) {
+      const std::string x = pool[rng() % pool.size()];
+      const std::string y = pool[rng() % pool.size()];
+      const std::string mg = x + " " + y;
+      if (std::find(merges.begin(), merges.end(), mg) != merges.end()) continue;
+      merges.push_back(mg);
+      if (std::find(pool.begin(), pool.end(), x + y) == pool.end()) {
+        pool.push_back(x + y);
+        extra.push_back(x + y);
+      }
+    }
+    const auto t = tiny(merges, extra, "gpt2");
+    for (int w = 0; w < 10; ++w) {
+      std::string word;
+      const int len = 1 + static_cast<int>(rng() % 40);
+      for (int k = 0; k < len; ++k) word.push_back(static_cast<char>('a' + rng() % 3));
+      std::vector<int> want;
+      for (const std::string& piece : reference_bpe(word, merges)) {
+        const auto it = std::find(extra.begin(), extra.end(), piece);
+        want.push_back(piece.size() == 1 ? static_cast<unsigned char>(piece[0])
+                                         : 256 + static_cast<int>(it - extra.begin()));
+      }
+      ASSERT_EQ(t.encode(word), want) << "word " << word << ", trial " << trial;
+    }
+  }
+}
+
+TEST(BpeTokenizer, LongRepeatedLetterWordIsMergedExactly) {
+  // One 65537-letter word (the quadratic rescan took 5.6 s on it; the heap merges it in
+  // O(n log n)). Merges a+a, aa+aa, aaaa+aaaa pair up leftmost first: 8192 "a"x8 tokens and
+  // the odd trailing "a".
+  const auto t = tiny({"a a", "aa aa", "aaaa aaaa"}, {"aa", "aaaa", "aaaaaaaa"}, "gpt2");
+  std::vector<int> want(8192, 258);
+  want.push_back('a');
+  EXPECT_EQ(t.encode(std::string(65537, 'a')), want);
+  // "ab" repeated: no merge applies to a+b, so every byte stays its own symbol.
+  std::string ab;
+  for (int k = 0; k < 32768; ++k) ab += "ab";
+  const auto ids = t.encode(ab);
+  ASSERT_EQ(ids.size(), ab.size());
+  for (size_t k = 0; k < ids.size(); ++k) ASSERT_EQ(ids[k], static_cast<unsigned char>(ab[k]));
 }
 
 TEST(BpeTokenizer, UserDefinedTokensMatchControlTokensDoNot) {

@@ -16,7 +16,7 @@
 #include "kvq/core/error.hpp"
 #include "kvq/core/half.hpp"
 #include "kvq/format/fp8.hpp"
-#include "kvq/kernels/cpu/fp8_cpu.hpp"
+#include "kvq/simd/fp8_cpu.hpp"
 #include "kvq/reference/fp8_ref.hpp"
 
 #if defined(__has_include)

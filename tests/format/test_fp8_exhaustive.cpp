@@ -16,7 +16,7 @@
 
 #include "kvq/core/half.hpp"
 #include "kvq/format/fp8.hpp"
-#include "kvq/kernels/cpu/fp8_cpu.hpp"
+#include "kvq/simd/fp8_cpu.hpp"
 
 #if defined(__has_include)
 #if __has_include(<cuda_fp8.h>)

@@ -320,8 +320,7 @@ void gguf_seeds() {
       w.u32(9);
       w.u32(9);
       w.u64(1);
-      w.u32(9);  // kvq's reader tags each element of an array of arrays with its type (9)
-      w.u32(0);
+      w.u32(0);  // the inner array: element type u8 (no type code in front, as gguf-py writes)
       w.u64(2);
       w.b.push_back(7);
       w.b.push_back(8);
@@ -418,12 +417,13 @@ void archive_seeds() {
     }
   };
   {
-    kvq::KVCache c(kvq::parse_policy("kivi2,sinks=2,residual=4,k@1=lm3,v@1=int4/token/g8"), 2, 1, 8);
+    kvq::KVCache c(kvq::parse_policy("kivi2,sinks=2,residual=4,k@1=lm3,v@1=int4/token/g8"), 2, 1, 8, 0,
+                   kvq::KVCacheOptions{true});  // with rollback rows
     fill(c, 39, 11, nullptr);
     put("archive", "kivi2_sinks_override.kvqa", kvq::io::save_archive_bytes(c));
   }
   {
-    kvq::KVCache c(kvq::parse_policy("k8v4,residual=2"), 1, 2, 8);
+    kvq::KVCache c(kvq::parse_policy("k8v4,residual=2"), 1, 2, 8, 0, kvq::KVCacheOptions{true});
     std::vector<uint8_t> out;
     kvq::io::ArchiveWriter w(out, c);
     fill(c, 40, 21, &w);
@@ -434,7 +434,7 @@ void archive_seeds() {
     kvq::Policy p = kvq::parse_policy("k=nuq3/channel/g16/out1,v=e5m2/token/f32meta,sinks=1");
     p.key.nuq_ready = true;
     for (int i = 0; i < 8; ++i) p.key.nuq_levels[static_cast<std::size_t>(i)] = -1.f + 2.f * static_cast<float>(i) / 7.f;
-    kvq::KVCache c(p, 1, 1, 8);
+    kvq::KVCache c(p, 1, 1, 8, 0, kvq::KVCacheOptions{true});
     fill(c, 20, 31, nullptr);
     kvq::io::ArchiveOptions o;
     o.key_rope = kvq::RopeConfig{10000.0, kvq::RopeStyle::kHalf};

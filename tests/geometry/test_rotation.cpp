@@ -264,7 +264,7 @@ TEST(Fwht, MatchesReferenceBitForBit) {
     std::vector<float> x = gaussian_vector(n, 100 + n);
     std::vector<float> y = x;
     kvq::fwht(x.data(), n);
-    kvq::ref::fwht_ref(y.data(), n);
+    kvq::reference::fwht_ref(y.data(), n);
     EXPECT_TRUE(bit_equal(x, y)) << "n=" << n << " simd=" << kvq::simd_level();
   }
 }
@@ -274,7 +274,7 @@ TEST(Fwht, MatchesExplicitHadamardMatrix) {
     const std::vector<float> x = gaussian_vector(n, 200 + n);
     std::vector<float> y = x;
     kvq::fwht(y.data(), n);
-    const std::vector<double> want = kvq::ref::hadamard_matrix_ref(x.data(), n);
+    const std::vector<double> want = kvq::reference::hadamard_matrix_ref(x.data(), n);
     for (int i = 0; i < n; ++i) ASSERT_NEAR(y[i], want[i], 1e-6 * max_abs(x)) << n << " " << i;
   }
 }
@@ -315,11 +315,11 @@ TEST(Rotation, HadamardMatchesReferenceBitForBit) {
     const std::vector<float> x = gaussian_vector(d, 400 + d);
     std::vector<float> fast = x, ref = x;
     r.apply(fast.data());
-    kvq::ref::hadamard_rotation_ref(ref.data(), d, r.block(), r.signs().data(),
+    kvq::reference::hadamard_rotation_ref(ref.data(), d, r.block(), r.signs().data(),
                                     r.permutation().data(), r.signs2().data());
     EXPECT_TRUE(bit_equal(fast, ref)) << "forward d=" << d;
     r.apply_inverse(fast.data());
-    kvq::ref::hadamard_rotation_inverse_ref(ref.data(), d, r.block(), r.signs().data(),
+    kvq::reference::hadamard_rotation_inverse_ref(ref.data(), d, r.block(), r.signs().data(),
                                             r.permutation().data(), r.signs2().data());
     EXPECT_TRUE(bit_equal(fast, ref)) << "inverse d=" << d;
   }
@@ -333,7 +333,7 @@ TEST(Rotation, DenseMatchesReference) {
       std::vector<float> y = x;
       inverse ? r.apply_inverse(y.data()) : r.apply(y.data());
       const std::vector<double> want =
-          kvq::ref::dense_rotation_ref(r.dense_matrix().data(), x.data(), d, inverse);
+          kvq::reference::dense_rotation_ref(r.dense_matrix().data(), x.data(), d, inverse);
       for (int i = 0; i < d; ++i) ASSERT_NEAR(y[i], want[i], 2e-6 * max_abs(x)) << d << " " << i;
     }
   }
@@ -547,7 +547,7 @@ TEST(RotationQuality, TwoStagesVersusOneBlockStage) {
           for (int i = 0; i < block; ++i) {
             for (int j = 0; j < block; ++j) {
               q[static_cast<size_t>(o + i) * d + o + j] =
-                  kvq::ref::hadamard_entry_ref(i, j) * scale * two_stage.signs()[o + j];
+                  kvq::reference::hadamard_entry_ref(i, j) * scale * two_stage.signs()[o + j];
             }
           }
         }

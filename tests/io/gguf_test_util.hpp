@@ -51,7 +51,8 @@ class GgufBuilder {
     pod(&meta_, uint32_t{9});
     pod(&meta_, static_cast<uint64_t>(v.size()));
     for (const auto& inner : v) {
-      pod(&meta_, uint32_t{9});  // each element: its own type code, then the array
+      // Each element is an array without a type code of its own (gguf-py's layout): its
+      // element type, count and elements.
       pod(&meta_, uint32_t{2});
       pod(&meta_, static_cast<uint64_t>(inner.size()));
       for (uint16_t x : inner) pod(&meta_, x);

@@ -219,7 +219,7 @@ TEST(Archive, RoundTripIsByteIdenticalWithIdenticalAttention) {
   int n = 0;
   for (const Case& tc : round_trip_cases(L, H, D)) {
     SCOPED_TRACE(tc.name);
-    KVCache c(tc.policy, L, H, D);
+    KVCache c(tc.policy, L, H, D, 0, kvq::KVCacheOptions{true});
     fill(c, tc.tokens, 11);
     const auto path = dir / ("c" + std::to_string(n++) + ".kvqa");
     const io::ArchiveSummary sum = kvq::save_archive(c, path);
@@ -286,7 +286,7 @@ TEST(Archive, NoRollbackOptionAndMaxTokensRoundTrip) {
 // Without the rollback rows: the same tokens, pages and windows, no rollback rows, identical
 // attention; per layer B x 2 x kv_heads x head_dim x 4 bytes (+ 128 of framing) smaller.
 TEST(Archive, WithoutRollbackRows) {
-  KVCache c(kvq::parse_policy("kivi2,sinks=4"), 2, 2, 32);
+  KVCache c(kvq::parse_policy("kivi2,sinks=4"), 2, 2, 32, 0, kvq::KVCacheOptions{true});
   fill(c, 130, 4);
   io::ArchiveOptions o;
   o.rollback_rows = false;
@@ -307,7 +307,7 @@ TEST(Archive, WithoutRollbackRows) {
 TEST(Archive, StreamingWriterOffloadsPagesAsTheyAreFlushed) {
   kvq_test::TempDir dir;
   const int L = 2, H = 2, D = 32, T = 200;
-  KVCache c(kvq::parse_policy("kivi2,sinks=4"), L, H, D);
+  KVCache c(kvq::parse_policy("kivi2,sinks=4"), L, H, D, 0, kvq::KVCacheOptions{true});
   const auto path = dir / "stream.kvqa";
   std::size_t streamed = 0;
   {
@@ -523,7 +523,7 @@ TEST(Archive, FailedLoadLeavesNoHalfBuiltCache) {
 /// A small archive with every record kind: 2 layers (the second overridden to Lloyd-Max),
 /// sinks, one page, residual and rollback rows each.
 std::vector<uint8_t> small_archive() {
-  KVCache c(kvq::parse_policy("kivi2,sinks=2,residual=4,k@1=lm3,v@1=int4/token/g8"), 2, 1, 8);
+  KVCache c(kvq::parse_policy("kivi2,sinks=2,residual=4,k@1=lm3,v@1=int4/token/g8"), 2, 1, 8, 0, kvq::KVCacheOptions{true});
   fill(c, 39, 5);
   return io::save_archive_bytes(c);
 }
@@ -651,7 +651,7 @@ void swap_records(std::vector<uint8_t>& img, const io::ArchiveRecord& a, const i
 }
 
 TEST(ArchiveCorruption, ReorderedAndDuplicatedRecordsAreNamed) {
-  KVCache c(kvq::parse_policy("kivi2,sinks=4"), 2, 2, 32);
+  KVCache c(kvq::parse_policy("kivi2,sinks=4"), 2, 2, 32, 0, kvq::KVCacheOptions{true});
   fill(c, 150, 1);
   const auto good = io::save_archive_bytes(c);
   io::ArchiveReader rd(good.data(), good.size());
@@ -816,7 +816,9 @@ TEST(ArchiveCorruption, OutlierPositionOutsideHeadDimIsRefused) {
 TEST(Archive, FormatCoversEveryConfigField) {
 #if defined(__x86_64__) && defined(__linux__)
   EXPECT_EQ(sizeof(kvq::QuantConfig), 128u) << "QuantConfig changed: update io/archive.hpp's config record";
-  EXPECT_EQ(sizeof(kvq::KVCacheOptions), 1u) << "KVCacheOptions changed: update the archive header";
+  // exact_rollback (stored in the header) + page_allocator (a run-time binding, never stored:
+  // a loaded cache takes kvq's memory, or the pool of the cache load_into() fills).
+  EXPECT_EQ(sizeof(kvq::KVCacheOptions), 16u) << "KVCacheOptions changed: update the archive header";
 #endif
   kvq::Policy p = kvq::parse_policy("kivi2,sinks=3,residual=5,skip=1:2,skipas=fp8,k@2=lm3/qjl,v@2=f16");
   p.key.fp8_margin = 0.5f;

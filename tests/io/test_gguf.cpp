@@ -95,12 +95,12 @@ TEST(Gguf, EveryMetadataKindRoundTrips) {
   EXPECT_EQ(f.get_float("f64"), -0.25);
   EXPECT_EQ(f.get_strings("strs"), (std::vector<std::string>{"x", "", "yz"}));
   EXPECT_EQ(f.get_ints("ints"), (std::vector<int64_t>{3, -1, 7}));
-  EXPECT_EQ(f.find("floats")->floats, (std::vector<double>{0.5, -2.0}));
+  EXPECT_EQ(f.find("floats")->floats(), (std::vector<double>{0.5, -2.0}));
   const auto& nested = f.find("nested")->items;
   ASSERT_EQ(nested.size(), 3u);
-  EXPECT_EQ(nested[0].ints, (std::vector<int64_t>{1, 2}));
-  EXPECT_TRUE(nested[1].ints.empty());
-  EXPECT_EQ(nested[2].ints, (std::vector<int64_t>{3}));
+  EXPECT_EQ(nested[0].ints(), (std::vector<int64_t>{1, 2}));
+  EXPECT_TRUE(nested[1].ints().empty());
+  EXPECT_EQ(nested[2].ints(), (std::vector<int64_t>{3}));
   // Typed getters name the key and the actual type.
   EXPECT_THROW(f.get_string("u8"), Error);
   EXPECT_THROW(f.get_int("str"), Error);
@@ -413,10 +413,9 @@ TEST(GgufHostile, DeeplyNestedArrays) {
   std::vector<uint8_t> e;
   GgufBuilder::string(&e, "deep");
   GgufBuilder::pod(&e, uint32_t{9});
-  for (int i = 0; i < 20; ++i) {  // array of array of array ...
+  for (int i = 0; i < 20; ++i) {  // array of array of array ... (gguf-py layout: no item tags)
     GgufBuilder::pod(&e, uint32_t{9});
     GgufBuilder::pod(&e, uint64_t{1});
-    GgufBuilder::pod(&e, uint32_t{9});
   }
   e.resize(e.size() + 64, 0);
   g.raw_meta(e);
@@ -523,3 +522,86 @@ TEST(GgufHostile, BitFlipsParseOrFailCleanly) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// A file written by the reference writer (gguf-py 0.19.0, llama.cpp's `gguf` package), not by
+// kvq: tests/io/data/make_gguf_py_fixture.py made tests/io/data/gguf_py_arrays.gguf; the
+// expected values are the ones that script wrote.
+
+TEST(GgufReference, GgufPyArraysOfArraysAndSmallInts) {
+  const GgufFile f = GgufFile::open(std::string(KVQ_SOURCE_DIR) + "/tests/io/data/gguf_py_arrays.gguf");
+  EXPECT_EQ(f.version(), 3u);
+  EXPECT_EQ(f.get_string("general.architecture"), "llama");
+  EXPECT_EQ(f.get_int("x.u32"), 7);
+  // [[1, 2], [3, 4, 5], [-6]]: arrays of INT32 arrays (Python ints are INT32 in gguf-py).
+  const auto& nested = f.find("x.nested")->items;
+  ASSERT_EQ(nested.size(), 3u);
+  EXPECT_EQ(nested[0].elem_type, kvq::io::GgufValueType::kI32);
+  EXPECT_EQ(nested[0].ints(), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(nested[1].ints(), (std::vector<int64_t>{3, 4, 5}));
+  EXPECT_EQ(nested[2].ints(), (std::vector<int64_t>{-6}));
+  // [["a"], ["bc", "def"]]
+  const auto& ns = f.find("x.nested_str")->items;
+  ASSERT_EQ(ns.size(), 2u);
+  EXPECT_EQ(ns[0].strings, (std::vector<std::string>{"a"}));
+  EXPECT_EQ(ns[1].strings, (std::vector<std::string>{"bc", "def"}));
+  // [[[1.5], [2.5, 3.5]], [[4.5]]]: three levels.
+  const auto& deep = f.find("x.deep")->items;
+  ASSERT_EQ(deep.size(), 2u);
+  ASSERT_EQ(deep[0].items.size(), 2u);
+  EXPECT_EQ(deep[0].items[0].floats(), (std::vector<double>{1.5}));
+  EXPECT_EQ(deep[0].items[1].floats(), (std::vector<double>{2.5, 3.5}));
+  ASSERT_EQ(deep[1].items.size(), 1u);
+  EXPECT_EQ(deep[1].items[0].floats(), (std::vector<double>{4.5}));
+  // A UINT8 array: one byte per element in memory.
+  const kvq::io::GgufValue* u8s = f.find("x.u8s");
+  ASSERT_NE(u8s, nullptr);
+  EXPECT_EQ(u8s->elem_type, kvq::io::GgufValueType::kU8);
+  EXPECT_EQ(f.get_ints("x.u8s"), (std::vector<int64_t>{250, 251, 252, 253, 254, 255, 0, 1}));
+  EXPECT_EQ(u8s->raw.size(), 8u);
+  EXPECT_EQ(f.get_ints("x.bools"), (std::vector<int64_t>{1, 0, 1}));
+  EXPECT_EQ(f.get_strings("x.strs"), (std::vector<std::string>{"one", "two"}));
+  const auto& t = f.tensor("t");
+  EXPECT_EQ(t.ne, (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(f.dequantize_tensor("t"), (std::vector<float>{0, 1, 2, 3, 4, 5}));
+}
+
+TEST(GgufHostile, LargeU8ArrayCostsItsSize) {
+  // 16 MiB of u8 elements: held as 16 MiB (the reader once widened each to int64, 8x, and each
+  // nested element cost a ~176-byte value).
+  const uint64_t n = uint64_t{16} << 20;
+  GgufBuilder g;
+  std::vector<uint8_t> e;
+  GgufBuilder::string(&e, "big");
+  GgufBuilder::pod(&e, uint32_t{9});
+  GgufBuilder::pod(&e, uint32_t{0});
+  GgufBuilder::pod(&e, n);
+  for (uint64_t k = 0; k < n; ++k) e.push_back(static_cast<uint8_t>(k * 7));
+  g.raw_meta(e);
+  const GgufFile f = parse(g.build());
+  const kvq::io::GgufValue* v = f.find("big");
+  ASSERT_NE(v, nullptr);
+  EXPECT_EQ(v->count, n);
+  EXPECT_EQ(v->raw.size(), n);
+  EXPECT_LE(v->raw.capacity(), n + 64);
+  EXPECT_EQ(v->int_at(12345), static_cast<uint8_t>(12345 * 7));
+  EXPECT_EQ(v->int_at(n - 1), static_cast<uint8_t>((n - 1) * 7));
+  EXPECT_LT(sizeof(kvq::io::GgufValue), 256u);
+}
+
+TEST(GgufHostile, TooManyInnerArraysAreRefused) {
+  // 2^16 + 1 empty inner arrays (12 file bytes each) exceed kGgufMaxNestedArrays.
+  GgufBuilder g;
+  std::vector<uint8_t> e;
+  GgufBuilder::string(&e, "many");
+  GgufBuilder::pod(&e, uint32_t{9});
+  GgufBuilder::pod(&e, uint32_t{9});
+  const uint64_t n = kvq::io::kGgufMaxNestedArrays + 1;
+  GgufBuilder::pod(&e, n);
+  for (uint64_t k = 0; k < n; ++k) {
+    GgufBuilder::pod(&e, uint32_t{0});
+    GgufBuilder::pod(&e, uint64_t{0});
+  }
+  g.raw_meta(e);
+  EXPECT_NE(parse_error(g.build()).find("inner arrays"), std::string::npos);
+}

@@ -2,7 +2,7 @@
 /// \file attention.hpp
 /// Attention over a KVCache (or over any sequence of cache segments: pages an engine owns),
 /// for every policy, with GQA/MQA, computed by the fused kernels of
-/// kernels/cpu/attention_cpu.hpp straight from the packed codes.
+/// attention/cpu/attention_cpu.hpp straight from the packed codes.
 ///
 /// Queries are the newest positions of the layer: query i of n_q sits at position
 /// tokens - n_q + i and, when causal, attends to the tokens [0, position]; otherwise to all
@@ -22,7 +22,7 @@
 #include "kvq/core/error.hpp"
 #include "kvq/core/rope.hpp"
 #include "kvq/core/tensor.hpp"
-#include "kvq/kernels/cpu/attention_cpu.hpp"
+#include "kvq/attention/cpu/attention_cpu.hpp"
 
 namespace kvq {
 

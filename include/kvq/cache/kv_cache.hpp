@@ -34,7 +34,7 @@
 ///
 /// Truncation (rollback). truncate(n) keeps the tokens [0, n). The cache keeps the f32
 /// originals of the most recently packed block until the next flush (KVCacheOptions::
-/// exact_rollback, on by default; their bytes are reported as StreamBytes::rollback). So:
+/// exact_rollback, off by default, opt-in; their bytes are reported as StreamBytes::rollback). So:
 ///  - if the newest page [b, b + B) was packed at a moment when the layer held more than n
 ///    tokens (that is, n < b + B + R), truncate(n) unpacks it from those originals: its kept
 ///    tokens go back to the residual window exactly as they were. Hence any append of k <= B
@@ -220,8 +220,9 @@ struct MemoryReport {
 
 
 namespace detail {
-/// Reads and restores a cache's stored state (pages, f32 windows, rollback rows) for
-/// io/archive.hpp, which rebuilds a cache byte for byte from a file.
+/// The cache's own state export/import (cache/state.hpp): reads and restores its stored state
+/// (pages, f32 windows, rollback rows), e.g. for io/archive.hpp, which rebuilds a cache byte for
+/// byte from a file. Part of the cache layer; no io/ type is a friend of KVCache.
 struct KVCacheAccess;
 }  // namespace detail
 
@@ -229,8 +230,15 @@ struct KVCacheAccess;
 struct KVCacheOptions {
   /// Keep the f32 originals of the newest page until the next flush, so that a rollback of up
   /// to one block (speculative decoding) is exact (file comment). Costs B rows of f32 keys and
-  /// values per layer, reported as StreamBytes::rollback.
-  bool exact_rollback = true;
+  /// values per layer, reported as StreamBytes::rollback: at 300 tokens of k8v4 (B = 32) it
+  /// takes the effective bits from 8.5 to 11.6. Off by default (memory is what a quantized
+  /// cache is for); an engine that verifies speculative drafts turns it on.
+  bool exact_rollback = false;
+  /// Where the pages come from: an engine's pool (cache/page_arena.hpp's PageAllocator; it
+  /// must outlive the cache and its copies), or nullptr for kvq's own chunks. A copy of the
+  /// cache takes its pages from the same allocator; release_unused_pages() gives pages freed
+  /// by clear() or truncate() back to it (the destructor gives back all).
+  PageAllocator* page_allocator = nullptr;
 };
 
 /// The streaming quantized KV cache (see the file comment for the storage rules).
@@ -271,7 +279,7 @@ class KVCache {
       check_config(l, "key", L.kcfg);
       check_config(l, "value", L.vcfg);
       L.layout = make_layout(l, L);
-      L.pages = PageArena(L.layout.bytes);
+      L.pages = PageArena(L.layout.bytes, options_.page_allocator);
       probe(l, L, tried);
     }
   }
@@ -413,6 +421,12 @@ class KVCache {
   }
 
   /// Drops every token of every layer (configs and reserved capacity stay).
+  /// Gives every page slot not holding tokens (after clear() or truncate(), or reserved ahead)
+  /// back to the engine's PageAllocator; does nothing for kvq's own pages.
+  void release_unused_pages() noexcept {
+    for (Layer& L : layers_) L.pages.release_unused();
+  }
+
   void clear() {
     for (Layer& L : layers_) {
       L.tokens = 0;

@@ -19,7 +19,7 @@
 ///    fp8 -> half -> float path returns on host and device).
 ///
 /// The bulk span API (encode/decode over arrays with a scale, SIMD) lives in
-/// kvq/kernels/cpu/fp8_cpu.hpp, above this header in the layer order: include it where spans
+/// kvq/simd/fp8_cpu.hpp, above this header in the layer order: include it where spans
 /// are converted (this header includes nothing above format/).
 #include <cstddef>
 #include <cstdint>

@@ -48,6 +48,47 @@ inline UniformLevels uniform_levels(int bits, bool symmetric) {
   return {symmetric ? static_cast<float>(1 << (bits - 1)) : 0.f, qmax};
 }
 
+namespace detail {
+
+enum class UniformParamsResult : uint8_t { kOk, kZeroOverflow, kScaleOverflow };
+
+/// The one definition of the int group parameters, host and device: the parameters of a group
+/// whose finite values span [lo, hi] (bits 2, 3, 4 or 8, validated by the caller). `round`
+/// rounds a value to what a metadata slot stores (fp16 or f32). Used by uniform_params (host,
+/// throwing) and format/element.hpp's int_params (host and device, status codes).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable  // host callers pass a host-only `round`
+#endif
+template <class Round>
+KVQ_HOST_DEVICE UniformParamsResult uniform_params_of(float lo, float hi, int bits, bool symmetric,
+                                                      const Round& round, UniformParams* p) {
+  const auto finite = [](float x) { return (f32_bits(x) & 0x7f800000u) != 0x7f800000u; };
+  const float levels = static_cast<float>((1 << bits) - 1);
+  if (symmetric) {
+    const float m = (hi >= -lo) ? hi : lo;  // signed value of largest magnitude
+    p->scale = round(m / -static_cast<float>(1 << (bits - 1))) + 0.0f;  // no -0
+    p->zero = 0.f;
+  } else {
+    p->zero = round(lo + 0.0f);  // + 0.0f turns -0 into +0 (canonical bits)
+    if (!finite(p->zero)) return UniformParamsResult::kZeroOverflow;
+    float s = (hi - p->zero) / levels;
+    if (!(s > 0.f)) s = 0.f;
+    p->scale = round(s);
+  }
+  if (!finite(p->scale)) return UniformParamsResult::kScaleOverflow;
+  p->inv = (p->scale != 0.f) ? 1.0f / p->scale : 0.f;
+  if (!finite(p->inv)) p->inv = 0.f;  // subnormal scale: treat as zero-range group
+  return UniformParamsResult::kOk;
+}
+
+/// format/meta.hpp's round_meta as a functor (host).
+struct RoundMetaHost {
+  MetaDType meta;
+  float operator()(float v) const { return round_meta(meta, v); }
+};
+
+}  // namespace detail
+
 /// Parameters of a group whose finite values span [lo, hi]. `group` is used in messages.
 /// Throws kOutOfRange when a parameter does not fit the metadata type (e.g. |x| > 65504 with
 /// fp16 metadata): choose fp32 metadata for such tensors.
@@ -55,23 +96,13 @@ inline UniformParams uniform_params(float lo, float hi, int bits, bool symmetric
                                     int64_t group) {
   check_uniform_bits(bits);
   UniformParams p;
-  const float levels = static_cast<float>((1 << bits) - 1);
-  if (symmetric) {
-    const float m = (hi >= -lo) ? hi : lo;  // signed value of largest magnitude
-    p.scale = round_meta(meta, m / -static_cast<float>(1 << (bits - 1))) + 0.0f;  // no -0
-    p.zero = 0.f;
-  } else {
-    p.zero = round_meta(meta, lo + 0.0f);  // + 0.0f turns -0 into +0 (canonical bits)
-    KVQ_REQUIRE(std::isfinite(p.zero), kOutOfRange, "zero point of group ", group, " (min ", lo,
-                ") overflows ", to_string(meta), " metadata; use f32 metadata");
-    float s = (hi - p.zero) / levels;
-    if (!(s > 0.f)) s = 0.f;
-    p.scale = round_meta(meta, s);
-  }
-  KVQ_REQUIRE(std::isfinite(p.scale), kOutOfRange, "scale of group ", group, " (range [", lo,
-              ", ", hi, "]) overflows ", to_string(meta), " metadata; use f32 metadata");
-  p.inv = (p.scale != 0.f) ? 1.0f / p.scale : 0.f;
-  if (!std::isfinite(p.inv)) p.inv = 0.f;  // subnormal scale: treat as zero-range group
+  const auto r =
+      detail::uniform_params_of(lo, hi, bits, symmetric, detail::RoundMetaHost{meta}, &p);
+  KVQ_REQUIRE(r != detail::UniformParamsResult::kZeroOverflow, kOutOfRange, "zero point of group ",
+              group, " (min ", lo, ") overflows ", to_string(meta), " metadata; use f32 metadata");
+  KVQ_REQUIRE(r != detail::UniformParamsResult::kScaleOverflow, kOutOfRange, "scale of group ",
+              group, " (range [", lo, ", ", hi, "]) overflows ", to_string(meta),
+              " metadata; use f32 metadata");
   return p;
 }
 

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvq/core/endian.hpp"
 #include "kvq/core/error.hpp"
 #include "kvq/core/half.hpp"
 #include "kvq/core/tensor.hpp"
@@ -105,26 +106,14 @@ inline std::string hex_bytes(const uint8_t* p, size_t n) {
   return out;
 }
 
-inline uint16_t load_u16le(const uint8_t* p) {
-  return static_cast<uint16_t>(p[0] | (static_cast<uint16_t>(p[1]) << 8));
-}
-inline uint32_t load_u32le(const uint8_t* p) {
-  return static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
-         (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24);
-}
-inline uint64_t load_u64le(const uint8_t* p) {
-  return static_cast<uint64_t>(load_u32le(p)) | (static_cast<uint64_t>(load_u32le(p + 4)) << 32);
-}
-inline void store_u16le(uint8_t* p, uint16_t v) {
-  p[0] = static_cast<uint8_t>(v);
-  p[1] = static_cast<uint8_t>(v >> 8);
-}
-inline void store_u32le(uint8_t* p, uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-inline void store_u64le(uint8_t* p, uint64_t v) {
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
+// Little-endian loads and stores: the names the readers use, one implementation
+// (core/endian.hpp).
+inline uint16_t load_u16le(const uint8_t* p) { return endian::get_u16(p); }
+inline uint32_t load_u32le(const uint8_t* p) { return endian::get_u32(p); }
+inline uint64_t load_u64le(const uint8_t* p) { return endian::get_u64(p); }
+inline void store_u16le(uint8_t* p, uint16_t v) { endian::put_u16(p, v); }
+inline void store_u32le(uint8_t* p, uint32_t v) { endian::put_u32(p, v); }
+inline void store_u64le(uint8_t* p, uint64_t v) { endian::put_u64(p, v); }
 
 /// True when s is well-formed UTF-8: shortest encodings only, no UTF-16 surrogates, nothing
 /// above U+10FFFF. Sets *bad to the offset of the first bad byte otherwise.

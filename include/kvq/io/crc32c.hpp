@@ -19,6 +19,7 @@
 #include <cstring>
 
 #include "kvq/config.hpp"
+#include "kvq/core/endian.hpp"
 
 #if !defined(KVQ_NO_SIMD) && !defined(__CUDACC__) && (defined(__x86_64__) || defined(_M_X64)) && \
     (defined(__GNUC__) || defined(__clang__))
@@ -52,11 +53,6 @@ constexpr Crc32cTables make_crc32c_tables() {
 
 inline constexpr Crc32cTables kCrc32cTables = make_crc32c_tables();
 
-inline uint32_t load_le32(const unsigned char* p) {
-  return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
-         static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
-}
-
 }  // namespace detail
 
 /// CRC-32C of data[0, n) continuing from `crc` (0 for a fresh checksum): table-driven, any CPU.
@@ -66,7 +62,7 @@ inline uint32_t crc32c_portable(const void* data, std::size_t n, uint32_t crc = 
   uint32_t c = ~crc;
   for (; n > 0 && (reinterpret_cast<std::uintptr_t>(p) & 7u) != 0; --n) c = (c >> 8) ^ T[0][(c ^ *p++) & 0xFFu];
   for (; n >= 8; n -= 8, p += 8) {
-    const uint32_t lo = detail::load_le32(p) ^ c, hi = detail::load_le32(p + 4);
+    const uint32_t lo = endian::get_u32(p) ^ c, hi = endian::get_u32(p + 4);
     c = T[7][lo & 0xFFu] ^ T[6][(lo >> 8) & 0xFFu] ^ T[5][(lo >> 16) & 0xFFu] ^ T[4][lo >> 24] ^
         T[3][hi & 0xFFu] ^ T[2][(hi >> 8) & 0xFFu] ^ T[1][(hi >> 16) & 0xFFu] ^ T[0][hi >> 24];
   }

@@ -4,10 +4,10 @@
 ///
 /// A page holds `page_tokens` tokens of one layer's keys AND values, [page_tokens, kv_heads,
 /// head_dim] each, quantized under (key config, value config). It is one flat byte array made of
-/// up to twelve regions, in this order, each starting at a multiple of kPageAlign (64) bytes:
+/// up to sixteen regions, in this order, each starting at a multiple of kPageAlign (64) bytes:
 ///
-///   K codes | K scales | K zeros | K norms | K qjl signs | K qjl norms |
-///   V codes | V scales | V zeros | V norms | V qjl signs | V qjl norms | tail padding
+///   K codes | K scales | K zeros | K norms | K qjl signs | K qjl norms | K outlier values |
+///   K outlier positions | V codes | ... | V outlier positions | tail padding
 ///
 /// A region a format does not use has 0 bytes (and no padding). The content of every region is
 /// exactly the array a QTensor of shape [page_tokens, kv_heads, head_dim] holds (byte order in
@@ -25,9 +25,11 @@
 /// the bytes quantize() of those n tokens would, at their place in the page, because group
 /// boxes are stored token block first. Nothing here allocates once the caller's workspace has
 /// grown.
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
+#include <string>
 #include <type_traits>
 
 #include "kvq/core/error.hpp"
@@ -224,8 +226,8 @@ inline void place(TensorRegions& r, const PackedSizes& p, std::size_t& off) {
 inline constexpr std::size_t kMaxPageBytes = std::size_t{1} << 30;
 
 /// The layout of a page of `page_tokens` tokens of `kv_heads` x `head_dim` keys and values.
-/// Throws kShapeMismatch when a config's token group does not divide page_tokens (or a
-/// token-axis group does not divide head_dim), kInvalidArgument for bad bit widths or
+/// Throws kShapeMismatch when page_tokens is not a multiple of a config's token group (a group
+/// is never shrunk to fit a page) or a token-axis group does not divide head_dim, kInvalidArgument for bad bit widths or
 /// geometry, kOutOfRange beyond kMaxPageBytes.
 inline PageLayout make_page_layout(const QuantConfig& key, const QuantConfig& value,
                                    int64_t page_tokens, int64_t kv_heads, int64_t head_dim) {
@@ -233,6 +235,17 @@ inline PageLayout make_page_layout(const QuantConfig& key, const QuantConfig& va
                   kv_heads <= (1 << 24) && head_dim <= (1 << 24),
               kInvalidArgument, "make_page_layout: page_tokens, kv_heads and head_dim must be in "
               "[1, 2^24], got ", page_tokens, ", ", kv_heads, ", ", head_dim);
+  // A config whose scale groups span tokens must fit whole groups in a page: a page shorter
+  // than the group (or not a multiple of it) would quantize groups of another size, a different
+  // quantizer at a different cost (kivi4 at 16-token pages: 5.5 bits instead of 5.0).
+  for (const auto& [c, role] : {std::pair<const QuantConfig*, const char*>{&key, "key"},
+                                std::pair<const QuantConfig*, const char*>{&value, "value"}}) {
+    const bool spans = !c->is_raw() && c->format != Format::kLloydMax && c->axis != Axis::kToken;
+    KVQ_REQUIRE(!spans || c->group == 0 || page_tokens % c->group == 0, kShapeMismatch,
+                "make_page_layout: page_tokens ", page_tokens, " is not a multiple of the ", role,
+                " config's token group of ", c->group, " (", c->name(),
+                "); use pages of a multiple of ", c->group, " tokens");
+  }
   PageLayout L;
   L.key = key;
   L.value = value;
@@ -264,16 +277,53 @@ inline PageLayout make_page_layout(const QuantConfig& key, const QuantConfig& va
 /// [t0, t0 + n) of `page` (t0, n multiples of L.granule, or up to the page end). The bytes equal
 /// quantize() of the same n tokens, at their place in the page. On a throw the page's bytes in
 /// that range are unspecified (write to a page the caller has not published yet).
+namespace detail {
+
+/// ", first at page token T, head H, channel C (value V)" for the first NaN/Inf of x, or "".
+template <class T>
+std::string first_non_finite(const KVView<const T>& x, int64_t t0) {
+  for (int64_t t = 0; t < x.tokens(); ++t)
+    for (int64_t h = 0; h < x.heads(); ++h)
+      for (int64_t d = 0; d < x.head_dim(); ++d) {
+        const float f = static_cast<float>(x.at(t, h, d));
+        if (!std::isfinite(f))
+          return cat(", first at page token ", t0 + t, ", head ", h, ", channel ", d, " (", f, ")");
+      }
+  return "";
+}
+
+/// The message of a kvq::Error without its "kvq: <kind>: " prefix.
+inline std::string error_message(const Error& e) {
+  std::string m = e.what();
+  const std::string pre = std::string("kvq: ") + to_string(e.kind()) + ": ";
+  return m.compare(0, pre.size(), pre) == 0 ? m.substr(pre.size()) : m;
+}
+
+}  // namespace detail
+
 template <class T>
 void quantize_page(const PageLayout& L, std::byte* page, int64_t t0, const KVView<const T>& k,
                    const KVView<const T>& v, QuantWorkspace& ws) {
   const int64_t n = k.tokens();
+  KVQ_REQUIRE(page != nullptr, kInvalidArgument, "quantize_page: the page pointer is null");
   KVQ_REQUIRE(k.shape() == v.shape() && k.heads() == L.kv_heads && k.head_dim() == L.head_dim,
               kShapeMismatch, "quantize_page: keys ", k.shape().str(), " and values ",
               v.shape().str(), " must both be [n, ", L.kv_heads, ", ", L.head_dim, "]");
   L.check_range(t0, n, "quantize_page");
-  quantize_into(L.key, k, L.key_span(page, t0, n), ws);
-  quantize_into(L.value, v, L.value_span(page, t0, n), ws);
+  // Errors of the quantizer say which tensor, which page tokens and (for NaN/Inf) where.
+  auto run = [&](const QuantConfig& c, const KVView<const T>& x, const PackedSpan& span,
+                 const char* which) {
+    try {
+      quantize_into(c, x, span, ws);
+    } catch (const Error& e) {
+      const std::string where =
+          e.kind() == ErrorKind::kNonFinite ? detail::first_non_finite(x, t0) : std::string();
+      fail(e.kind(), "quantize_page: the ", which, " of page tokens [", t0, ", ", t0 + n, ")",
+           where, ": ", detail::error_message(e));
+    }
+  };
+  run(L.key, k, L.key_span(page, t0, n), "keys");
+  run(L.value, v, L.value_span(page, t0, n), "values");
 }
 
 /// Reconstructs tokens [a, b) of a page holding its first `filled` tokens into k_out and v_out

@@ -736,16 +736,18 @@ inline Policy parse_policy_impl(std::string_view spec_in, bool allow_presets) {
                                                              "the last-layer count of skip", item));
     } else if (name == "skipas") {
       p.skip_config = parse_skipas(value, item);
-    } else if (name == "k@local" || name == "v@local" || name == "k@global" ||
-               name == "v@global") {
-      Policy::KindTerms& t = name.substr(2) == "local" ? p.local : p.global;
-      if (name[0] == 'k') {
-        t.key = parse_term(value, item, true);
-        t.has_key = true;
-      } else {
-        t.value = parse_term(value, item, false);
-        t.has_value = true;
-      }
+    } else if (name == "k@local") {
+      p.local.key = parse_term(value, item, true);
+      p.local.has_key = true;
+    } else if (name == "v@local") {
+      p.local.value = parse_term(value, item, false);
+      p.local.has_value = true;
+    } else if (name == "k@global") {
+      p.global.key = parse_term(value, item, true);
+      p.global.has_key = true;
+    } else if (name == "v@global") {
+      p.global.value = parse_term(value, item, false);
+      p.global.has_value = true;
     } else if (name.size() > 2 && (name[0] == 'k' || name[0] == 'v') && name[1] == '@') {
       const int layer = static_cast<int>(
           parse_spec_number(name.substr(2), "the layer index of an override", item));

@@ -20,8 +20,8 @@
 #include "kvq/format/fp8.hpp"
 #include "kvq/format/uniform.hpp"
 #include "kvq/geometry/grouping.hpp"
-#include "kvq/kernels/cpu/fp8_cpu.hpp"
-#include "kvq/kernels/cpu/uniform_cpu.hpp"
+#include "kvq/simd/fp8_cpu.hpp"
+#include "kvq/simd/uniform_cpu.hpp"
 #include "kvq/quant/packed_view.hpp"
 #include "kvq/quant/qtensor.hpp"
 

@@ -38,7 +38,7 @@
 #include "kvq/core/rows.hpp"
 #include "kvq/format/codebook.hpp"
 #include "kvq/geometry/rotation.hpp"
-#include "kvq/kernels/cpu/uniform_cpu.hpp"
+#include "kvq/simd/uniform_cpu.hpp"
 #include "kvq/quant/packed_view.hpp"
 #include "kvq/quant/qtensor.hpp"
 

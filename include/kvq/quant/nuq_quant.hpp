@@ -19,7 +19,7 @@
 #include "kvq/format/codebook.hpp"
 #include "kvq/format/meta.hpp"
 #include "kvq/format/nuq.hpp"
-#include "kvq/kernels/cpu/prefetch.hpp"
+#include "kvq/simd/prefetch.hpp"
 #include "kvq/quant/grouped_quant.hpp"
 
 #if KVQ_HAS_AVX512
@@ -140,7 +140,7 @@ inline uint64_t codes8_word(__m256i c) {
   return static_cast<uint64_t>(_mm_cvtsi128_si64(_mm_packus_epi16(w, w)));
 }
 
-using kernels::pack32_store;  // kernels/cpu/uniform_cpu.hpp
+using kernels::pack32_store;  // simd/uniform_cpu.hpp
 
 /// Writes the D codes of one row (D % 8 == 0), B bits each, to out: codes8(i) returns codes
 /// i .. i + 7 in the 32-bit lanes of a vector. 32 codes at a time are narrowed to bytes and

@@ -3,7 +3,7 @@
 /// A quantized tensor [tokens, heads, head_dim] in memory kvq does not own: a page region, an
 /// engine's buffer, or a QTensor's own vectors (QTensor::view()). It is the one interface
 /// between storage (quant/, layout/, cache/) and the kernels that read packed data
-/// (kernels/cpu/, attention/): a kernel that takes a PackedView works on a QTensor, on a page
+/// (simd/, attention/): a kernel that takes a PackedView works on a QTensor, on a page
 /// of the paged layout and on a page an engine allocated, with no copy.
 ///
 /// Every array has exactly the byte order QTensor documents (quant/qtensor.hpp,

@@ -18,7 +18,7 @@
 #include "kvq/core/half.hpp"
 #include "kvq/core/rows.hpp"
 #include "kvq/core/tensor.hpp"
-#include "kvq/kernels/cpu/uniform_cpu.hpp"
+#include "kvq/simd/uniform_cpu.hpp"
 #include "kvq/quant/grouped_quant.hpp"
 #include "kvq/quant/lloyd_max_quant.hpp"
 #include "kvq/quant/nuq_quant.hpp"
@@ -231,10 +231,10 @@ void dequantize_tokens(const PackedView& q, int64_t t0, const KVView<T>& out,
 }
 
 // Compiled-kernels mode (config.hpp): the f32 instances, which every other entry point and the
-// cache reach, are instantiated once, in the KVQ_KERNELS_IMPLEMENTATION(_QUANTIZE) translation
+// cache reach, are instantiated once, in the KVQ_KERNELS_IMPLEMENTATION (all, or 3: the quantizers) translation
 // unit.
 #ifdef KVQ_EXTERN_KERNELS
-#ifdef KVQ_KERNELS_IMPLEMENTATION_QUANTIZE
+#ifdef KVQ_DETAIL_DEFINE_QUANTIZE
 #define KVQ_EXTERN_TEMPLATE_ template
 #else
 #define KVQ_EXTERN_TEMPLATE_ extern template

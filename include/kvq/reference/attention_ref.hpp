@@ -2,7 +2,7 @@
 /// \file attention_ref.hpp
 /// Reference (oracle) attention over a KVCache or over any sequence of cache segments, for
 /// every policy, with GQA/MQA. Written to be obviously right, not fast: the fused kernels of
-/// attention/attention.hpp (kernels/cpu/attention_cpu.hpp) are tested against it.
+/// attention/attention.hpp (attention/cpu/attention_cpu.hpp) are tested against it.
 ///
 /// Queries are the newest positions of the layer: query i of n_q sits at position
 /// tokens - n_q + i and, when causal, attends to the tokens [0, position]; otherwise to all
@@ -25,6 +25,7 @@
 #include "kvq/core/error.hpp"
 #include "kvq/core/rope.hpp"
 #include "kvq/core/rows.hpp"
+#include "kvq/core/softmax.hpp"
 #include "kvq/core/tensor.hpp"
 #include "kvq/quant/quantize.hpp"
 
@@ -37,8 +38,7 @@ struct RefAttentionWorkspace {
   std::vector<float> kblock;    // [B, kv_heads, head_dim] one dequantized key block
   std::vector<float> vblock;    // [B, kv_heads, head_dim] one dequantized value block
   std::vector<double> acc;      // [n_q, n_heads, head_dim] running weighted sum of values
-  std::vector<double> run_max;  // [n_q, n_heads] running score maximum
-  std::vector<double> run_sum;  // [n_q, n_heads] running softmax denominator
+  std::vector<SoftmaxState<double>> run;  // [n_q, n_heads] running maximum and denominator
   std::vector<double> scores;   // [segment tokens] one head's scores
   std::vector<float> out_row;   // [head_dim]
 };
@@ -79,8 +79,7 @@ void attend_ref_segments(ForEach&& for_each, int64_t total_tokens, int64_t kv_he
         if (!std::isfinite(dst[d])) detail::throw_non_finite_row(q, i, h, "attend: query");
     }
   ws.acc.assign(static_cast<std::size_t>(nq * nh * D), 0.0);
-  ws.run_max.assign(static_cast<std::size_t>(nq * nh), -std::numeric_limits<double>::infinity());
-  ws.run_sum.assign(static_cast<std::size_t>(nq * nh), 0.0);
+  ws.run.assign(static_cast<std::size_t>(nq * nh), SoftmaxState<double>::empty());
 
   for_each([&](const CacheSegment& s) {
     const int64_t len = s.tokens();
@@ -121,19 +120,20 @@ void attend_ref_segments(ForEach&& for_each, int64_t total_tokens, int64_t kv_he
           seg_max = std::max(seg_max, dot * scale);
         }
         const std::size_t qi = static_cast<std::size_t>(i * nh + h);
-        const double new_max = std::max(ws.run_max[qi], seg_max);
-        const double rescale = std::exp(ws.run_max[qi] - new_max);  // exp(-inf) = 0 at first
+        SoftmaxState<double>& run = ws.run[qi];
         double* acc = ws.acc.data() + qi * static_cast<std::size_t>(D);
-        double sum = ws.run_sum[qi] * rescale;
-        for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
+        double rescale;  // exp(old max - new max); 0 at first (exp(-inf))
+        if (run.raise(seg_max, [](double x) { return std::exp(x); }, &rescale))
+          for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
+        const double new_max = run.m;
+        double sum = run.l;
         for (int64_t t = 0; t < n; ++t) {
           const double w = std::exp(ws.scores[static_cast<std::size_t>(t)] - new_max);
           sum += w;
           const float* vr = vp + (t * H + kvh) * D;
           for (int64_t d = 0; d < D; ++d) acc[d] += w * vr[d];
         }
-        ws.run_sum[qi] = sum;
-        ws.run_max[qi] = new_max;
+        run.l = sum;
       }
     }
   });
@@ -144,7 +144,7 @@ void attend_ref_segments(ForEach&& for_each, int64_t total_tokens, int64_t kv_he
       const std::size_t qi = static_cast<std::size_t>(i * nh + h);
       const double* acc = ws.acc.data() + qi * static_cast<std::size_t>(D);
       for (int64_t d = 0; d < D; ++d)
-        ws.out_row[static_cast<std::size_t>(d)] = static_cast<float>(acc[d] / ws.run_sum[qi]);
+        ws.out_row[static_cast<std::size_t>(d)] = static_cast<float>(acc[d] / ws.run[qi].l);
       detail::store_row(out, i, h, ws.out_row.data());
     }
 }

@@ -13,7 +13,7 @@
 #include <vector>
 
 namespace kvq {
-namespace ref {
+namespace reference {
 
 /// Orthonormal FWHT, in place: butterfly stages h = 1, 2, ..., n/2, then * (1/sqrt(n)).
 inline void fwht_ref(float* x, int n) {
@@ -115,5 +115,5 @@ inline std::vector<double> dense_rotation_ref(const float* q, const float* x, in
   return y;
 }
 
-}  // namespace ref
+}  // namespace reference
 }  // namespace kvq

@@ -13,6 +13,8 @@
 //        (T/3 then the rest), writes OUTPREFIX.k<l>/.v<l> (read back, f32) and OUTPREFIX.a<l>
 //        (attention of the last NQ queries of Q[l], [NQ, QH, D]); prints the memory report's
 //        total, effective bits and per-kind byte counts
+//   kvq_oracle calibrate SPEC DUMP PREROPE(0|1) WEIGHTS(sensitivity|uniform) OUT.json
+//        calibrates SPEC's nuq codebooks on the KV dump DUMP and writes the calibration file
 // On kvq::Error it prints "error <message>" and exits 3.
 #include <cstdio>
 #include <cstdlib>
@@ -24,6 +26,8 @@
 #include "kvq/accounting/accountant.hpp"
 #include "kvq/attention/attention.hpp"
 #include "kvq/cache/kv_cache.hpp"
+#include "kvq/io/calibration_file.hpp"
+#include "kvq/io/kv_dump.hpp"
 #include "kvq/policy/spec.hpp"
 #include "kvq/quant/quantize.hpp"
 
@@ -61,7 +65,20 @@ int run(int argc, char** argv) {
     write_bytes(out + ".norms", q.norms.raw().data(), q.norms.bytes());
     write_bytes(out + ".qjl_signs", q.qjl_signs.data(), q.qjl_signs.size());
     write_bytes(out + ".qjl_norms", q.qjl_norms.raw().data(), q.qjl_norms.bytes());
+    write_bytes(out + ".outlier_values", q.outlier_values.data(), q.outlier_values.size());
+    write_bytes(out + ".outlier_pos", q.outlier_pos.data(), q.outlier_pos.size());
     std::printf("nbytes %zu\neffective_bits %.17g\n", q.bytes(), q.effective_bits());
+    return 0;
+  }
+  if (mode == "calibrate" && argc == 7) {
+    const kvq::Policy p = kvq::parse_policy(argv[2]);
+    const kvq::io::KVDump dump = kvq::io::load_kv_dump(argv[3]);
+    kvq::CalibrationOptions opt;
+    const bool uniform = std::string(argv[5]) == "uniform";
+    opt.weights = uniform ? kvq::CalibrationWeights::kUniform : kvq::CalibrationWeights::kSensitivity;
+    const kvq::Policy c = kvq::calibrate(p, dump, std::string(argv[4]) == "1", opt);
+    kvq::save_calibration(argv[6], c, static_cast<int>(dump.num_layers()), "",
+                          opt.weights);
     return 0;
   }
   if (mode == "account" && argc == 6) {

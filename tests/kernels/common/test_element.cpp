@@ -1,4 +1,4 @@
-// kernels/common/element.hpp: the host/device element functions the CUDA kernels run, compared
+// format/element.hpp: the host/device element functions the CUDA kernels run, compared
 // bit for bit with the CPU code they restate (uniform_params, Fp8Codec::params, nuq_params and
 // NuqCodec, round_meta,
 // load_meta/store_meta, pack_bits/unpack_bits, fp8 bulk encode/decode with a scale,
@@ -13,7 +13,7 @@
 #include <random>
 #include <vector>
 
-#include "kvq/kernels/common/element.hpp"
+#include "kvq/format/element.hpp"
 #include "kvq/kvq.hpp"
 
 namespace {

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kvq/kernels/cpu/prefetch.hpp"
+#include "kvq/simd/prefetch.hpp"
 
 namespace {
 

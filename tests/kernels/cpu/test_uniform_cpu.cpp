@@ -1,4 +1,4 @@
-// kernels/cpu/uniform_cpu.hpp called directly, against the scalar formulas of
+// simd/uniform_cpu.hpp called directly, against the scalar formulas of
 // reference/uniform_ref.hpp (std::fma, fmin/fmax clamp, std::nearbyint) and format/uniform.hpp's
 // uniform_params: every length 0..70 and longer ones (SIMD bodies of 8/16/32 plus scalar tails),
 // a non-finite value at every position, rounding ties, zero-range and subnormal-scale groups,
@@ -18,7 +18,7 @@
 #include "kvq/core/bitpack.hpp"
 #include "kvq/core/half.hpp"
 #include "kvq/format/uniform.hpp"
-#include "kvq/kernels/cpu/uniform_cpu.hpp"
+#include "kvq/simd/uniform_cpu.hpp"
 #include "kvq/quant/packed_view.hpp"
 
 namespace {

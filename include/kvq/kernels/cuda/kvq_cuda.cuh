@@ -1,9 +1,8 @@
 #pragma once
 /// \file kvq_cuda.cuh
-/// kvq's CUDA kernel layer in one include (compile with nvcc): the device page description
-/// (common.cuh), dequantize_pages (dequantize.cuh), quantize-append (append.cuh, AppendPlan)
-/// and batched flash-decoding attention (decode_attention.cuh, DecodePlan). docs/cuda.md.
-#include "kvq/kernels/cuda/common.cuh"
-#include "kvq/kernels/cuda/dequantize.cuh"
-#include "kvq/kernels/cuda/append.cuh"
-#include "kvq/kernels/cuda/decode_attention.cuh"
+/// Forwarding header, kept for one release (kvq 0.1 -> 0.2): this header moved to
+/// kvq/cuda/kvq_cuda.cuh (docs/architecture.md, "Moved headers"). Include the new path.
+#if !defined(KVQ_NO_DEPRECATED_HEADER_WARNINGS)
+#pragma message("kvq/kernels/cuda/kvq_cuda.cuh is deprecated: include kvq/cuda/kvq_cuda.cuh")
+#endif
+#include "kvq/cuda/kvq_cuda.cuh"

@@ -110,6 +110,8 @@ class CacheBackend final : public eval::KVBackend {
   }
 
   const KVCache& cache() const { return cache_; }
+  /// The cache itself, e.g. to restore a saved sequence into it (io/archive.hpp load_into).
+  KVCache& mutable_cache() { return cache_; }
 
  private:
   /// The RoPE attention applies to `layer`'s keys (nullptr: they are stored post-RoPE).

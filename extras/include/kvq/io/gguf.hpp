@@ -8,7 +8,11 @@
 /// n_dims, n_dims u64 extents with the fastest-varying first, u32 ggml type, u64 offset
 /// relative to the data section); then, aligned to general.alignment (default 32), the data
 /// section. A string is a u64 byte count and the bytes; an array is a u32 element type, a u64
-/// count and the elements (arrays of arrays are allowed).
+/// count and the elements. Arrays of arrays are allowed and laid out as gguf-py's writer does:
+/// the outer array's element type is 9 and each inner array follows as its own element type,
+/// count and elements, with no type code in front of it. Number and bool arrays are kept as the
+/// file's bytes (a u8 array costs one byte per element in memory); inner arrays are capped at
+/// kGgufMaxNestedArrays per file.
 ///
 /// Why a hand-written, paranoid reader: a model file comes from the internet. Every count, size
 /// and offset is checked against the bytes that remain before anything is allocated or read
@@ -145,7 +149,9 @@ inline GgmlTypeTraits ggml_type_traits(uint32_t t) {
 
 /// One metadata value. Integers (and bools) are kept in `i` (signed types sign-extended, uint64
 /// as its bit pattern in `u`), floats in `f`, strings in `s`. An array keeps its element type
-/// and either `strings`, `ints`/`uints`, `floats`, or nested `items`, by element kind.
+/// and either `strings`, nested `items` (arrays of arrays), or, for numbers and bools, the
+/// elements' own little-endian bytes in `raw` (a u8 array costs one byte per element, an f32
+/// array four; read them with int_at / float_at, or ints() / floats() for a vector).
 struct GgufValue {
   GgufValueType type = GgufValueType::kU8;
   int64_t i = 0;
@@ -156,9 +162,42 @@ struct GgufValue {
   GgufValueType elem_type = GgufValueType::kU8;
   uint64_t count = 0;
   std::vector<std::string> strings;  ///< string arrays
-  std::vector<int64_t> ints;         ///< integer / bool arrays (uint64 as bit pattern)
-  std::vector<double> floats;        ///< float arrays
+  std::vector<uint8_t> raw;          ///< number / bool arrays: count elements as in the file
   std::vector<GgufValue> items;      ///< arrays of arrays
+
+  /// Element k of an integer or bool array (signed types sign-extended, uint64 as its bit
+  /// pattern). Precondition: k < count and an integer/bool element type.
+  int64_t int_at(std::size_t k) const {
+    const uint8_t* p = raw.data();
+    switch (elem_type) {
+      case GgufValueType::kU8: case GgufValueType::kBool: return p[k];
+      case GgufValueType::kI8: return static_cast<int8_t>(p[k]);
+      case GgufValueType::kU16: return load<uint16_t>(p, k);
+      case GgufValueType::kI16: return load<int16_t>(p, k);
+      case GgufValueType::kU32: return load<uint32_t>(p, k);
+      case GgufValueType::kI32: return load<int32_t>(p, k);
+      case GgufValueType::kU64: return static_cast<int64_t>(load<uint64_t>(p, k));
+      case GgufValueType::kI64: return load<int64_t>(p, k);
+      default: return 0;
+    }
+  }
+  /// Element k of an f32 or f64 array (as double).
+  double float_at(std::size_t k) const {
+    return elem_type == GgufValueType::kF64 ? load<double>(raw.data(), k)
+                                            : static_cast<double>(load<float>(raw.data(), k));
+  }
+  /// The integer/bool elements as int64 (a copy: 8 bytes per element).
+  std::vector<int64_t> ints() const {
+    std::vector<int64_t> out(static_cast<std::size_t>(count));
+    for (std::size_t k = 0; k < out.size(); ++k) out[k] = int_at(k);
+    return out;
+  }
+  /// The f32/f64 elements as double (a copy).
+  std::vector<double> floats() const {
+    std::vector<double> out(static_cast<std::size_t>(count));
+    for (std::size_t k = 0; k < out.size(); ++k) out[k] = float_at(k);
+    return out;
+  }
 
   bool is_integer() const {
     switch (type) {
@@ -169,6 +208,14 @@ struct GgufValue {
     }
   }
   bool is_float() const { return type == GgufValueType::kF32 || type == GgufValueType::kF64; }
+
+ private:
+  template <class T>
+  static T load(const uint8_t* p, std::size_t k) {
+    T v;
+    std::memcpy(&v, p + k * sizeof(T), sizeof(T));
+    return v;
+  }
 };
 
 /// One tensor's info (validated: its bytes lie inside the data section).
@@ -190,6 +237,10 @@ inline constexpr uint64_t kGgufMaxTensors = uint64_t{1} << 20;
 inline constexpr uint64_t kGgufMaxMetadata = uint64_t{1} << 20;
 inline constexpr uint64_t kGgufMaxStringBytes = uint64_t{1} << 30;
 inline constexpr int kGgufMaxArrayDepth = 8;
+/// Inner arrays (elements of arrays of arrays) in one file, all depths together. Each is a
+/// GgufValue in memory (152 bytes on x86-64, plus its elements) for at least 12 file bytes, so
+/// this bounds what such arrays can cost (~10 MiB of values); real models have none.
+inline constexpr uint64_t kGgufMaxNestedArrays = uint64_t{1} << 16;
 inline constexpr uint32_t kGgufMaxDims = 4;  ///< GGML_MAX_DIMS
 inline constexpr uint32_t kGgufDefaultAlignment = 32;
 
@@ -202,6 +253,9 @@ class GgufCursor {
   size_t pos() const { return pos_; }
   size_t remaining() const { return n_ - pos_; }
   const std::string& source() const { return src_; }
+  const uint8_t* here() const { return p_ + pos_; }
+  void skip(size_t bytes) { pos_ += bytes; }  ///< after need(bytes)
+  uint64_t nested_arrays = 0;  ///< inner arrays read so far (kGgufMaxNestedArrays)
 
   void need(uint64_t bytes, const char* what) const {
     KVQ_REQUIRE(bytes <= remaining(), kIo, src_, ": truncated at byte offset ", pos_, ": ", what,
@@ -311,27 +365,27 @@ inline GgufValue gguf_read_value(GgufCursor& c, uint32_t type, const std::string
     v.strings.reserve(nn);
     for (size_t k = 0; k < nn; ++k) v.strings.push_back(c.str(what.c_str()));
   } else if (v.elem_type == GgufValueType::kArray) {
+    // As gguf-py writes them (GGUFWriter._pack_val: the items of an array are packed without
+    // their own type tag): the outer array's element type (9) covers every item, and each item
+    // is [u32 element type][u64 count][elements], with no type code of its own in front.
+    KVQ_REQUIRE(n <= kGgufMaxNestedArrays - c.nested_arrays, kIo, c.source(), ": metadata ",
+                detail::printable(key), ": ", n, " inner arrays at byte offset ", count_at,
+                " exceed the limit of ", kGgufMaxNestedArrays, " per file (", c.nested_arrays,
+                " read before)");
+    c.nested_arrays += n;
     v.items.reserve(nn);
-    for (size_t k = 0; k < nn; ++k) {
-      const uint32_t inner = c.get<uint32_t>("nested array type");
-      KVQ_REQUIRE(inner == 9, kIo, c.source(), ": metadata ", detail::printable(key),
-                  ": element ", k, " of an array of arrays has type ", inner);
-      v.items.push_back(gguf_read_value(c, 9, key, depth + 1));
-    }
-  } else if (v.elem_type == GgufValueType::kF32 || v.elem_type == GgufValueType::kF64) {
-    v.floats.reserve(nn);
-    GgufValue e;
-    for (size_t k = 0; k < nn; ++k) {
-      gguf_read_scalar(c, v.elem_type, &e, what.c_str());
-      v.floats.push_back(e.f);
-    }
+    for (size_t k = 0; k < nn; ++k) v.items.push_back(gguf_read_value(c, 9, key, depth + 1));
   } else {
-    v.ints.reserve(nn);
-    GgufValue e;
-    for (size_t k = 0; k < nn; ++k) {
-      gguf_read_scalar(c, v.elem_type, &e, what.c_str());
-      v.ints.push_back(e.i);
+    // Numbers and bools: the file's bytes, copied once (one byte per u8 element).
+    const size_t bytes = nn * static_cast<size_t>(eb);
+    c.need(bytes, what.c_str());
+    v.raw.assign(c.here(), c.here() + bytes);
+    if (v.elem_type == GgufValueType::kBool) {
+      for (size_t k = 0; k < nn; ++k)
+        KVQ_REQUIRE(v.raw[k] <= 1, kIo, c.source(), ": ", what, " element ", k, " at byte offset ",
+                    c.pos() + k, " is a bool with byte value ", int{v.raw[k]}, " (must be 0 or 1)");
     }
+    c.skip(bytes);
   }
   return v;
 }
@@ -720,14 +774,14 @@ class GgufFile {
                 source_, ": metadata ", detail::printable(key), " is not an array of strings");
     return v.strings;
   }
-  /// An integer array.
-  const std::vector<int64_t>& get_ints(const std::string& key) const {
+  /// An integer (or bool) array, as int64 (a copy; GgufValue::int_at reads one element).
+  std::vector<int64_t> get_ints(const std::string& key) const {
     const GgufValue& v = require(key);
     const bool ok = v.type == GgufValueType::kArray && v.elem_type != GgufValueType::kString &&
                     v.elem_type != GgufValueType::kArray && v.elem_type != GgufValueType::kF32 &&
                     v.elem_type != GgufValueType::kF64;
     KVQ_REQUIRE(ok, kIo, source_, ": metadata ", detail::printable(key), " is not an array of integers");
-    return v.ints;
+    return v.ints();
   }
 
   const GgufTensorInfo* find_tensor(const std::string& name) const {

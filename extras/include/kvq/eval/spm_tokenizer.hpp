@@ -49,14 +49,17 @@ class SpmTokenizer {
     std::vector<float> scores(tokens.size(), 0.0f);
     if (f.has("tokenizer.ggml.scores")) {
       const io::GgufValue* v = f.find("tokenizer.ggml.scores");
-      KVQ_REQUIRE(v->type == io::GgufValueType::kArray && v->floats.size() == tokens.size(), kIo,
-                  f.source(), ": tokenizer.ggml.scores is not an array of ", tokens.size(),
+      KVQ_REQUIRE(v->type == io::GgufValueType::kArray &&
+                      (v->elem_type == io::GgufValueType::kF32 ||
+                       v->elem_type == io::GgufValueType::kF64) &&
+                      v->count == tokens.size(),
+                  kIo, f.source(), ": tokenizer.ggml.scores is not an array of ", tokens.size(),
                   " floats");
-      for (size_t i = 0; i < scores.size(); ++i) scores[i] = static_cast<float>(v->floats[i]);
+      for (size_t i = 0; i < scores.size(); ++i) scores[i] = static_cast<float>(v->float_at(i));
     }
     std::vector<int> types(tokens.size(), kNormal);
     if (f.has("tokenizer.ggml.token_type")) {
-      const auto& t = f.get_ints("tokenizer.ggml.token_type");
+      const std::vector<int64_t> t = f.get_ints("tokenizer.ggml.token_type");
       KVQ_REQUIRE(t.size() == tokens.size(), kIo, f.source(), ": tokenizer.ggml.token_type has ",
                   t.size(), " entries, tokenizer.ggml.tokens ", tokens.size());
       for (size_t i = 0; i < t.size(); ++i)

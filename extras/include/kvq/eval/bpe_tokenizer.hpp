@@ -18,6 +18,8 @@
 /// byte-exact, so every input round-trips through decode().
 #include <cstdint>
 #include <limits>
+#include <functional>
+#include <queue>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -370,30 +372,63 @@ class BpeTokenizer {
 
   /// BPE over one word: start from one symbol per byte, repeatedly merge the adjacent pair of
   /// lowest rank (leftmost among equal ranks) until no pair has a rank.
+  ///
+  /// O(n log n) in the word's bytes n: the symbols form a doubly linked list over their byte
+  /// offsets, and every adjacent pair with a rank sits in a min-heap keyed (rank, offset of its
+  /// left symbol). Merging never reorders symbols, so the left symbol's first byte offset
+  /// orders pairs left to right and the heap's top is exactly the pair the plain rescan would
+  /// choose (lowest rank, leftmost on ties). A pair made stale by an earlier merge (either side
+  /// merged away or grown) is recognized by the symbols' versions and dropped when popped. At
+  /// most n - 1 merges happen and each pushes at most two pairs, so the heap sees < 3n pushes.
   void bpe_word(const std::string& word, std::vector<int>* ids) const {
-    std::vector<std::string> sym;
-    sym.reserve(word.size());
-    for (unsigned char ch : word) sym.push_back(byte_sym_[ch]);
-    std::string scratch;
-    std::vector<int> ranks(sym.size() > 0 ? sym.size() - 1 : 0);
-    for (size_t k = 0; k + 1 < sym.size(); ++k) ranks[k] = rank(sym[k], sym[k + 1], &scratch);
-    while (sym.size() > 1) {
-      int best = -1;
-      size_t at = 0;
-      for (size_t k = 0; k < ranks.size(); ++k) {
-        if (ranks[k] >= 0 && (best < 0 || ranks[k] < best)) {
-          best = ranks[k];
-          at = k;
-        }
-      }
-      if (best < 0) break;
-      sym[at] += sym[at + 1];
-      sym.erase(sym.begin() + static_cast<std::ptrdiff_t>(at) + 1);
-      ranks.erase(ranks.begin() + static_cast<std::ptrdiff_t>(at));
-      if (at > 0) ranks[at - 1] = rank(sym[at - 1], sym[at], &scratch);
-      if (at < ranks.size()) ranks[at] = rank(sym[at], sym[at + 1], &scratch);
+    KVQ_REQUIRE(word.size() < static_cast<size_t>(std::numeric_limits<int>::max()),
+                kInvalidArgument, "BPE tokenizer: a word of ", word.size(), " bytes is too long");
+    const int n = static_cast<int>(word.size());
+    std::vector<std::string> sym(static_cast<size_t>(n));
+    for (int k = 0; k < n; ++k) sym[static_cast<size_t>(k)] = byte_sym_[static_cast<unsigned char>(word[static_cast<size_t>(k)])];
+    std::vector<int> prev(static_cast<size_t>(n)), next(static_cast<size_t>(n));
+    std::vector<uint32_t> version(static_cast<size_t>(n), 0);  // bumped when a symbol changes
+    for (int k = 0; k < n; ++k) {
+      prev[static_cast<size_t>(k)] = k - 1;
+      next[static_cast<size_t>(k)] = k + 1 < n ? k + 1 : -1;
     }
-    for (const std::string& s : sym) {
+    struct Pair {
+      int rank, left, right;
+      uint32_t left_version, right_version;
+      bool operator>(const Pair& o) const {
+        return rank != o.rank ? rank > o.rank : left > o.left;
+      }
+    };
+    std::priority_queue<Pair, std::vector<Pair>, std::greater<Pair>> heap;
+    std::string scratch;
+    auto push = [&](int l, int r) {
+      if (l < 0 || r < 0) return;
+      const int rk = rank(sym[static_cast<size_t>(l)], sym[static_cast<size_t>(r)], &scratch);
+      if (rk >= 0)
+        heap.push(Pair{rk, l, r, version[static_cast<size_t>(l)], version[static_cast<size_t>(r)]});
+    };
+    for (int k = 0; k + 1 < n; ++k) push(k, k + 1);
+    while (!heap.empty()) {
+      const Pair p = heap.top();
+      heap.pop();
+      const auto l = static_cast<size_t>(p.left), r = static_cast<size_t>(p.right);
+      // Stale: the right symbol was merged into another, or either side changed since the push
+      // (a merged-away symbol is unlinked, so next[l] no longer names it).
+      if (next[l] != p.right || version[l] != p.left_version || version[r] != p.right_version)
+        continue;
+      sym[l] += sym[r];
+      sym[r].clear();
+      ++version[l];
+      ++version[r];
+      next[l] = next[r];
+      if (next[r] >= 0) prev[static_cast<size_t>(next[r])] = p.left;
+      next[r] = -1;
+      prev[r] = -1;
+      push(prev[l], p.left);
+      push(p.left, next[l]);
+    }
+    for (int k = n > 0 ? 0 : -1; k >= 0; k = next[static_cast<size_t>(k)]) {
+      const std::string& s = sym[static_cast<size_t>(k)];
       const auto it = id_.find(s);
       if (it != id_.end()) {
         ids->push_back(it->second);

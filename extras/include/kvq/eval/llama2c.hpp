@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "kvq/core/endian.hpp"
 #include "kvq/core/error.hpp"
 #include "kvq/eval/kv_backend.hpp"
 #include "kvq/eval/metrics.hpp"
@@ -51,12 +52,7 @@ constexpr int64_t kMaxTokenizerFileBytes = int64_t{1} << 30;
 constexpr int kHeaderInts = 7;
 constexpr int64_t kHeaderBytes = kHeaderInts * 4;
 
-inline bool host_is_little_endian() {
-  const uint32_t one = 1;
-  unsigned char b = 0;
-  std::memcpy(&b, &one, 1);
-  return b == 1;
-}
+inline bool host_is_little_endian() { return endian::host_little_endian(); }
 
 inline int32_t load_i32(const unsigned char* p) {
   int32_t v;

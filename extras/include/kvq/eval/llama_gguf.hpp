@@ -459,7 +459,7 @@ class LlamaGgufModel {
       const std::string pk = a + "attention.sliding_window_pattern";
       const io::GgufValue* pv = f.find(pk);
       if (pv != nullptr && pv->type == io::GgufValueType::kArray) {  // one bool per layer
-        const std::vector<int64_t>& v = f.get_ints(pk);
+        const std::vector<int64_t> v = f.get_ints(pk);
         KVQ_REQUIRE(static_cast<int>(v.size()) == c.n_layers, kIo, source_, ": ", pk, " has ",
                     v.size(), " entries for ", c.n_layers, " layers");
         for (int l = 0; l < c.n_layers; ++l) c.layer_sliding[static_cast<size_t>(l)] = v[static_cast<size_t>(l)] != 0;

@@ -1,0 +1,217 @@
+#pragma once
+/// \file dispatch.hpp
+/// Entry point of the fused CPU attention: validates the call, prepares streams and
+/// queries, picks the instruction set and runs (attend_segments; compiled-kernels mode in
+/// config.hpp).
+#include "kvq/attention/cpu/merge.hpp"
+#include "kvq/attention/cpu/outliers.hpp"
+#include "kvq/attention/cpu/rope.hpp"
+#include "kvq/attention/cpu/tiles_all_heads.hpp"
+#include "kvq/attention/cpu/tiles_per_head.hpp"
+
+namespace kvq {
+namespace kernels {
+namespace attn {
+
+/// Checks the segments and the queries, prepares the streams and queries, then runs.
+template <class S>
+void attend_impl(Workspace& ws, Problem& P, KVView<const float> q, KVView<float> out,
+                 const AttentionOptions& opt) {
+  const int64_t D = P.D, H = P.H, nq = P.nq, G = P.G, HR = nq * G;
+  ws.ks.resize(ws.segs.size());
+  ws.vs.resize(ws.segs.size());
+  P.k_ctx = P.v_ctx = nullptr;
+  P.k_qjl = false;
+  for (std::size_t i = 0; i < ws.segs.size(); ++i) {
+    const CacheSegment& s = ws.segs[i];
+    Stream& ks = ws.ks[i];
+    Stream& vs = ws.vs[i];
+    if (s.packed()) {
+      setup_packed(ks, s.key_view, S::W);
+      setup_packed(vs, s.value_view, S::W);
+      if (ks.lm) {
+        KVQ_REQUIRE(P.k_ctx == nullptr || P.k_ctx == ks.ctx || P.k_seed == s.key_view.config.seed,
+                    kInvalidArgument, "attend: Lloyd-Max key segments use different seeds");
+        P.k_seed = s.key_view.config.seed;
+        P.k_ctx = ks.ctx;
+        P.k_qjl = P.k_qjl || ks.qjl;
+      }
+      if (vs.lm) {
+        KVQ_REQUIRE(P.v_ctx == nullptr || P.v_ctx == vs.ctx || P.v_seed == s.value_view.config.seed,
+                    kInvalidArgument, "attend: Lloyd-Max value segments use different seeds");
+        P.v_seed = s.value_view.config.seed;
+        P.v_ctx = vs.ctx;
+      }
+    } else {
+      ks = Stream();
+      vs = Stream();
+      ks.rows = s.key_rows;
+      vs.rows = s.value_rows;
+    }
+  }
+  // Queries: [H, nq * G, D], scaled by 1/sqrt(D); sums for zero points; rotations.
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  ws.qs.resize(static_cast<std::size_t>(H * HR * D));
+  ws.qsum.resize(static_cast<std::size_t>(H * HR));
+  ws.out_row.resize(static_cast<std::size_t>(D));
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t hq = 0; hq < P.nh; ++hq) {
+      const int64_t h = hq / G, lr = i * G + hq % G;
+      float* dst = ws.qs.data() + (h * HR + lr) * D;
+      const float* r = detail::load_row(q, i, hq, ws.out_row.data());
+      double sum = 0;
+      for (int64_t d = 0; d < D; ++d) {
+        dst[d] = r[d] * scale;
+        sum += dst[d];
+      }
+      ws.qsum[static_cast<std::size_t>(h * HR + lr)] = static_cast<float>(sum);
+    }
+  if (P.k_ctx != nullptr) {
+    ws.qrot.assign(ws.qs.begin(), ws.qs.end());
+    P.k_ctx->rotation.apply_batch(ws.qrot.data(), H * HR);
+    if (P.k_qjl) {
+      ws.sq.resize(ws.qs.size());
+      ws.sqsum.resize(ws.qsum.size());
+      for (int64_t v = 0; v < H * HR; ++v) {
+        const float* qr = ws.qrot.data() + v * D;
+        float* o = ws.sq.data() + v * D;
+        double tot = 0;
+        for (int64_t j = 0; j < D; ++j) {
+          o[j] = detail::dot_f(P.k_ctx->qjl.data() + j * D, qr, D);
+          tot += o[j];
+        }
+        ws.sqsum[static_cast<std::size_t>(v)] = static_cast<float>(tot);
+      }
+    }
+  }
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+  if constexpr (std::is_same<S, Simd256>::value) {
+    // 4-bit key codes are read in even/odd channel order (attention_avx2.hpp): queries too.
+    bool eo = false;
+    for (const Stream& ks : ws.ks) eo = eo || (ks.packed && avx2::eo_order(ks.load));
+    if (eo && D % 16 == 0) {
+      ws.qs_eo.resize(ws.qs.size());
+      for (int64_t v = 0; v < H * HR; ++v)
+        avx2::to_eo(ws.qs.data() + v * D, ws.qs_eo.data() + v * D, D);
+      if (P.k_ctx != nullptr) {
+        ws.qrot_eo.resize(ws.qrot.size());
+        for (int64_t v = 0; v < H * HR; ++v)
+          avx2::to_eo(ws.qrot.data() + v * D, ws.qrot_eo.data() + v * D, D);
+      }
+    }
+  }
+#endif
+  if (P.rope != nullptr) {
+    ws.inv_freq.resize(static_cast<std::size_t>(D / 2));
+    ws.rope_c1.resize(static_cast<std::size_t>(D / 2));
+    ws.rope_s1.resize(static_cast<std::size_t>(D / 2));
+    for (int64_t i = 0; i < D / 2; ++i) {
+      const auto ui = static_cast<std::size_t>(i);
+      ws.inv_freq[ui] =
+          std::pow(P.rope->theta, -static_cast<double>(2 * i) / static_cast<double>(D));
+      ws.rope_c1[ui] = std::cos(ws.inv_freq[ui]);
+      ws.rope_s1[ui] = std::sin(ws.inv_freq[ui]);
+    }
+  }
+  const std::size_t units = static_cast<std::size_t>(P.nchunks * P.nqb);
+  const std::size_t stride = static_cast<std::size_t>(H * kQueryBlock * G);
+  ws.us.assign(units * stride, SoftmaxState<float>::empty());
+  ws.uacc.resize(units * stride * static_cast<std::size_t>(D));
+  run_units<S>(P, ws, out, opt);
+}
+
+/// Validates the call and the segments (in order, covering [0, T), matching shapes).
+inline void check_call(const std::vector<CacheSegment>& segs, int64_t T, int64_t H, int64_t D,
+                       KVView<const float> q, KVView<float> out, bool causal,
+                       const RopeConfig* rope, int layer) {
+  const int64_t nq = q.tokens(), nh = q.heads();
+  KVQ_REQUIRE(q.head_dim() == D, kShapeMismatch, "attend: queries have head_dim ", q.head_dim(),
+              " but the cache has ", D);
+  KVQ_REQUIRE(nh > 0 && nh % H == 0, kShapeMismatch, "attend: n_heads=", nh,
+              " is not a positive multiple of the cache's kv_heads=", H);
+  KVQ_REQUIRE(out.shape() == q.shape(), kShapeMismatch, "attend: output ", out.shape().str(),
+              " does not match the queries ", q.shape().str());
+  if (nq == 0) return;
+  KVQ_REQUIRE(T > 0, kInvalidArgument, "attend: layer ", layer, " holds no tokens");
+  KVQ_REQUIRE(!causal || nq <= T, kInvalidArgument, "attend: ", nq,
+              " causal queries at the newest positions need at least as many tokens, but layer ",
+              layer, " holds ", T);
+  KVQ_REQUIRE(rope == nullptr || D % 2 == 0, kInvalidArgument,
+              "attend: RoPE needs an even head_dim, got ", D);
+  int64_t pos = 0;
+  for (const CacheSegment& s : segs) {
+    KVQ_REQUIRE(s.begin == pos && s.end > s.begin, kInvalidArgument, "attend: segment [", s.begin,
+                ", ", s.end, ") does not continue at token ", pos);
+    const Shape want{s.end - s.begin, H, D};
+    if (s.packed()) {
+      KVQ_REQUIRE(s.key_view.shape == want && s.value_view.shape == want &&
+                      s.key_view.codes != nullptr && s.value_view.codes != nullptr,
+                  kShapeMismatch, "attend: packed segment [", s.begin, ", ", s.end, ") must be ",
+                  want.str(), " with codes, got keys ", s.key_view.shape.str(), " and values ",
+                  s.value_view.shape.str());
+    } else {
+      KVQ_REQUIRE(s.key_rows.shape() == want && s.value_rows.shape() == want &&
+                      s.key_rows.dim_contiguous() && s.value_rows.dim_contiguous(),
+                  kShapeMismatch, "attend: row segment [", s.begin, ", ", s.end, ") must be ",
+                  want.str(), " with contiguous rows");
+    }
+    pos = s.end;
+  }
+  KVQ_REQUIRE(pos == T, kInvalidArgument, "attend: the segments cover ", pos, " tokens, not ", T);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t h = 0; h < nh; ++h)
+      for (int64_t d = 0; d < D; ++d)
+        if (!std::isfinite(q.at(i, h, d))) detail::throw_non_finite_row(q, i, h, "attend: query");
+}
+
+/// The entry point: ws.segs holds the segments (already filled by the caller). Under
+/// KVQ_EXTERN_KERNELS (config.hpp) only declared here and defined once, in the translation unit
+/// that defines KVQ_KERNELS_IMPLEMENTATION (all, or 2: the attention).
+#if defined(KVQ_EXTERN_KERNELS) && !defined(KVQ_DETAIL_DEFINE_ATTENTION)
+void attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D, KVView<const float> q,
+                     KVView<float> out, bool causal, const RopeConfig* rope,
+                     const AttentionOptions& opt, int layer);
+#else
+#ifndef KVQ_DETAIL_DEFINE_ATTENTION
+inline
+#endif
+    void
+    attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D, KVView<const float> q,
+                    KVView<float> out, bool causal, const RopeConfig* rope,
+                    const AttentionOptions& opt, int layer) {
+  check_call(ws.segs, T, H, D, q, out, causal, rope, layer);
+  const int64_t nq = q.tokens();
+  if (nq == 0) return;
+  decode_unsupported(ws);
+  KVQ_REQUIRE(opt.threads >= 1, kInvalidArgument, "attend: threads must be >= 1, got ",
+              opt.threads);
+  KVQ_REQUIRE(opt.split_tokens >= 0, kInvalidArgument,
+              "attend: split_tokens must be >= 0 (0 = default), got ", opt.split_tokens);
+  KVQ_REQUIRE(opt.window >= 0, kInvalidArgument,
+              "attend: window must be >= 0 (0 = none), got ", opt.window);
+  Problem P;
+  P.T = T;
+  P.H = H;
+  P.D = D;
+  P.nq = nq;
+  P.nh = q.heads();
+  P.G = P.nh / H;
+  P.causal = causal;
+  P.window = opt.window;
+  P.rope = rope;
+  P.split = opt.split_tokens > 0 ? opt.split_tokens : kDefaultSplit;
+  P.nchunks = (T + P.split - 1) / P.split;
+  P.nqb = (nq + kQueryBlock - 1) / kQueryBlock;
+  // AVX-512 builds take the Simd256 instance as well: its all-heads tile loop runs the 16-lane
+  // microkernels (simd/attention_avx2.hpp). A target with AVX-512 but without AVX2/FMA/F16C
+  // (no real CPU; only a hand-picked -m flag set) runs the scalar instance.
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+  if (D % 8 == 0) return attend_impl<Simd256>(ws, P, q, out, opt);
+#endif
+  attend_impl<SimdScalar>(ws, P, q, out, opt);
+}
+#endif  // KVQ_EXTERN_KERNELS
+
+}  // namespace attn
+}  // namespace kernels
+}  // namespace kvq

@@ -1,0 +1,204 @@
+#pragma once
+/// \file problem.hpp
+/// The fused CPU attention's problem and workspace: AttentionOptions, the per-segment
+/// Stream (how keys or values are read), per-worker Scratch, the per-call Workspace and the
+/// Problem geometry (attention_cpu.hpp describes the design).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "kvq/core/bitpack.hpp"
+#include "kvq/core/error.hpp"
+#include "kvq/core/rope.hpp"
+#include "kvq/core/rows.hpp"
+#include "kvq/core/softmax.hpp"
+#include "kvq/core/tensor.hpp"
+#include "kvq/geometry/grouping.hpp"
+#include "kvq/layout/page_layout.hpp"
+#include "kvq/quant/lloyd_max_quant.hpp"
+#include "kvq/quant/packed_view.hpp"
+#include "kvq/quant/quantize.hpp"
+#include "kvq/simd/attention_avx2.hpp"
+#include "kvq/simd/attention_simd.hpp"
+#include "kvq/simd/uniform_cpu.hpp"
+
+namespace kvq {
+
+/// Runs body(0) .. body(n - 1), possibly in parallel, and returns when all are done (a
+/// caller's thread pool). Each index is one worker of the attention call.
+using ParallelFor = std::function<void(int64_t n, const std::function<void(int64_t)>& body)>;
+
+/// How an attention call splits its work.
+struct AttentionOptions {
+  /// Workers (1 = the calling thread only). With no parallel_for, threads - 1 std::threads are
+  /// started per call.
+  int threads = 1;
+  /// Tokens per independently processed chunk (flash-decoding split); 0 = 4096. Results depend
+  /// on the split (floating-point order), never on `threads`.
+  int64_t split_tokens = 0;
+  /// Sliding window (0 = none): the query at position p sees only the tokens at positions
+  /// (p - window, p] (with causal; without, the window ends at the last token). Gemma's local
+  /// layers; tiles wholly before every query's window are skipped.
+  int64_t window = 0;
+  /// Caller-supplied parallel-for (optional).
+  ParallelFor parallel_for;
+};
+
+namespace kernels {
+namespace attn {
+
+constexpr int64_t kTile = 64;            ///< tokens per softmax tile
+constexpr int64_t kDefaultSplit = 4096;  ///< tokens per chunk when split_tokens == 0
+constexpr int64_t kQueryBlock = 16;      ///< queries per work unit (prefill)
+
+enum class Scale : uint8_t {
+  kRow,      ///< one (scale, zero) per row: raw formats (1, 0), fp8/int with gc == head_dim, lm
+  kGroup,    ///< token axis, groups of gc channels, gc a multiple of the vector width
+  kExpand,   ///< token axis, other group widths: per-row scale vectors expanded per channel
+  kChannel,  ///< channel axis: per-channel scales shared by a block of gt tokens
+};
+
+/// How one segment's keys or values are read.
+struct Stream {
+  bool packed = false;
+  // f32 rows (sinks / residual)
+  KVView<const float> rows;
+  // packed
+  PackedView view;
+  GroupBox box;
+  Load load = Load::kF32;
+  Scale scale = Scale::kRow;
+  bool unpack = false;  ///< codes are unpacked into bytes first (odd widths: per tile or per row)
+  bool lm = false, qjl = false, zeros = false, raw = false;
+  bool nuq = false;  ///< nuq codes: table loads (lut = the layer's levels), int scales and zeros
+  int bits = 32;
+  int64_t nout =
+      0;  ///< dense-and-sparse: outliers per (token, head) vector (int / fp8 / nuq dense)
+  float off = 0.f, mul = 1.f;
+  const detail::LloydMaxContext* ctx = nullptr;
+  float lut[16] = {};
+};
+
+/// Per-worker scratch (reused; sized on first use).
+struct Scratch {
+  std::vector<float> s;           // [rows, kTile] scores, then softmax weights
+  std::vector<float> w;           // [rows, kTile] value weights
+  std::vector<SoftmaxState<float>> sm;  // [H, rows] online-softmax state (core/softmax.hpp)
+  std::vector<float> acc;         // [H, rows, D]
+  std::vector<float> acc_rot;     // [H, rows, D] Lloyd-Max values, rotated domain
+  std::vector<float> sacc;        // [H, rows, D] QJL value sign sums
+  std::vector<float> sconst;      // [H, rows]
+  std::vector<float> zacc;        // [rows] value zero terms of one tile
+  std::vector<uint8_t> ku, vu;    // [kTile, D] unpacked codes
+  std::vector<uint8_t> kub, vub;  // [kTile, H, D] unpacked codes of a whole tile (odd widths)
+  std::vector<uint8_t> ksg, vsg;  // [kTile, D] QJL sign bits
+  std::vector<const uint8_t*> krp, vrp;   // [kTile] row pointers
+  std::vector<float> kms, kmz, vms, vmz;  // tile metadata
+  std::vector<float> kq, vq;              // [kTile] QJL factors
+  std::vector<float> qf, qz;              // [rows, D], [rows] channel-folded queries
+  std::vector<float> krow;                // [kTile, D] decoded (pre-RoPE) key rows
+  std::vector<float> rc, rs;              // [kTile, D/2] RoPE cos/sin of positions rope_t0 + t
+  int64_t rope_t0 = 0, rope_n = 0;        // the positions rc/rs hold (rope_n = 0: none)
+  std::vector<double> rope_c, rope_s;     // [D/2] the recurrence's state (rope_table)
+  std::vector<float> tmp;                 // [max(D, rows)]
+  // AVX2 tiles over several segments (attention_avx2.hpp)
+  struct Piece {
+    std::size_t si;      ///< segment index
+    int64_t loc0, n, o;  ///< segment-local first token, tokens, offset in the tile
+  };
+  std::vector<Piece> pieces, next;  // this tile's pieces, the next tile's
+  std::vector<float> wg;            // [rows, D / 16, kTile] value weights times group scales
+  std::vector<float> zg;            // [rows, D / 16] value zero sums per group
+  std::vector<int32_t> opos;        // [k, kTile] dense-and-sparse: channel of outlier j of token t
+  std::vector<float> odv;           // [k, kTile] its exact value minus its dense value
+};
+
+/// Everything an attention call keeps between calls.
+struct Workspace {
+  std::vector<CacheSegment> segs;
+  std::vector<Stream> ks, vs;
+  std::vector<float> qs;                 // [H, nq*G, D] queries / sqrt(D)
+  std::vector<float> qsum;               // [H, nq*G]
+  std::vector<float> qrot;               // [H, nq*G, D] rotated queries (Lloyd-Max keys)
+  std::vector<float> qs_eo, qrot_eo;     // the same in even/odd channel order (AVX2, 4-bit keys)
+  std::vector<float> sq;                 // [H, nq*G, D] S R q (QJL keys)
+  std::vector<float> sqsum;              // [H, nq*G]
+  std::vector<double> inv_freq;          // [D/2] RoPE
+  std::vector<double> rope_c1, rope_s1;  // [D/2] cos / sin of inv_freq (one position's step)
+  std::vector<SoftmaxState<float>> us;  // per work unit results: softmax states ...
+  std::vector<float> uacc;              // ... and accumulators
+  std::vector<float> out_row;
+  std::vector<Scratch> scratch;
+  // pages the kernels do not read (needs_decode()): decoded rows, one [n, H, D] pair per such
+  // segment, and the dequantization scratch.
+  std::vector<std::vector<float>> decoded;
+  QuantWorkspace qws;
+};
+
+/// True when the fused kernels cannot read `v` straight from its codes: dense-and-sparse
+/// outliers over a dense format other than int / fp8 / nuq (decoded to f32 rows first;
+/// docs/outliers.md; the spec grammar accepts no other today). nuq codes are read like int
+/// codes through a 16-entry table of the layer's levels (x = scale * level[c] + zero); outliers
+/// over int, fp8 and nuq are read in the kernels: the dense codes as usual, then each outlier's
+/// difference from its dense value (Unit::outlier_scores, Unit::outlier_values).
+inline bool needs_decode(const PackedView& v) {
+  const Format f = v.config.format;
+  return outlier_count(v.config, v.shape.head_dim) > 0 &&
+         !(f == Format::kInt || f == Format::kE4M3 || f == Format::kE5M2 || f == Format::kNuq);
+}
+
+/// Replaces every packed segment that needs_decode() by f32 row segments holding its
+/// dequantized keys and values (the oracle path: the same values reference/attention_ref.hpp
+/// scores). Rows live in ws.decoded until the next call.
+inline void decode_unsupported(Workspace& ws) {
+  std::size_t used = 0;
+  for (CacheSegment& s : ws.segs) {
+    if (!s.packed() || (!needs_decode(s.key_view) && !needs_decode(s.value_view))) continue;
+    if (ws.decoded.size() < used + 2) ws.decoded.resize(used + 2);
+    std::vector<float>& kb = ws.decoded[used++];
+    std::vector<float>& vb = ws.decoded[used++];
+    const Shape sh = s.key_view.shape;
+    kb.resize(static_cast<std::size_t>(sh.numel()));
+    vb.resize(static_cast<std::size_t>(sh.numel()));
+    dequantize_tokens(s.key_view, 0, KVView<float>(kb.data(), sh), ws.qws);
+    dequantize_tokens(s.value_view, 0, KVView<float>(vb.data(), sh), ws.qws);
+    s.kind = CacheSegment::Kind::kResidual;
+    s.key_rows = KVView<const float>(kb.data(), sh);
+    s.value_rows = KVView<const float>(vb.data(), sh);
+  }
+}
+
+/// The kernels' exp for the online softmax (SoftmaxState::raise / weight): exp_neg.
+struct SoftmaxExp {
+  float operator()(float x) const { return exp_neg(x); }
+};
+inline constexpr SoftmaxExp softmax_exp{};
+
+/// Problem geometry of one call.
+struct Problem {
+  int64_t T = 0, H = 0, D = 0, nq = 0, nh = 0, G = 0;
+  bool causal = true;
+  int64_t window = 0;  // AttentionOptions::window
+  const RopeConfig* rope = nullptr;
+  int64_t split = kDefaultSplit, nchunks = 0, nqb = 0;
+  const detail::LloydMaxContext* k_ctx = nullptr;  // Lloyd-Max keys (query rotation)
+  const detail::LloydMaxContext* v_ctx = nullptr;  // Lloyd-Max values (output rotation)
+  bool k_qjl = false;
+  uint64_t k_seed = 0, v_seed = 0;
+};
+
+inline int64_t rows_of_block(const Problem& P, int64_t qb) {
+  const int64_t i0 = qb * kQueryBlock;
+  return (std::min(P.nq, i0 + kQueryBlock) - i0) * P.G;
+}
+
+}  // namespace attn
+}  // namespace kernels
+}  // namespace kvq
