@@ -168,12 +168,19 @@ int main(int argc, char** argv) {
                  r.prompt_tokens, r.prefill_seconds, r.prefill_tokens_per_second(),
                  r.decode_steps(), r.decode_seconds, r.decode_tokens_per_second(),
                  r.stopped_at_end ? "; stopped at the end token" : "");
+    int64_t released = 0;  // token slots the sliding-window layers gave back
+    for (const auto& lm : m.layers) released += lm.released_tokens;
     std::fprintf(stats,
                  "KV cache (%s): %zu bytes for %lld tokens, %.2f bits/value; an f16 cache: "
                  "%.0f bytes (%.2fx the bytes of this one)\n",
-                 policy.spec().c_str(), m.total(),
-                 static_cast<long long>(m.layers.empty() ? 0 : m.layers.front().tokens),
+                 policy.spec().c_str(), m.total(), static_cast<long long>(kv.cache().tokens(0)),
                  m.effective_bits(), f16_bytes, m.compression_vs_f16());
+    if (released > 0) {
+      std::fprintf(stats,
+                   "sliding-window layers released the pages of %lld layer-tokens older than "
+                   "their window (both caches above count only what is held)\n",
+                   static_cast<long long>(released));
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvq_generate: %s\n", e.what());
     return 1;

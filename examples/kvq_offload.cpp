@@ -109,6 +109,7 @@ int main(int argc, char** argv) {
 
     // The original sequence: prefill N tokens (timed as "recompute"), save, then the next token.
     kvq::CacheBackend a(model.bind(policy), geo, false, model.rope());
+    a.set_release_window(false);  // the archive holds the whole sequence
     a.reset();
     const auto t0 = Clock::now();
     model.forward(ids.data(), prefix, 0, a, nullptr);
@@ -121,6 +122,7 @@ int main(int argc, char** argv) {
 
     // The restored sequence: an empty cache, the archive read into it, then the next token.
     kvq::CacheBackend b(model.bind(policy), geo, false, model.rope());
+    b.set_release_window(false);
     b.reset();
     const auto t4 = Clock::now();
     kvq::io::load_archive(out_path, b.mutable_cache());

@@ -499,6 +499,22 @@ TEST_F(Gemma3Model, SlidingWindowAt600Tokens) {
     model_->forward(ids.data(), 599, 0, kv, nullptr);
     model_->forward(ids.data() + 599, 1, 599, kv, last.data());
     expect_row(last.data(), V, windowed, 5e-3, chunked ? "chunked cache" : "cache");
+    // The local layers released the pages no later query sees (those wholly before position
+    // 599 - 512 + 2 = 89); the global ones hold everything.
+    for (int l = 0; l < 18; ++l) {
+      const int64_t B = kv.cache().block_tokens(l);
+      EXPECT_EQ(kv.cache().released_tokens(l), l % 6 == 5 ? 0 : 89 / B * B) << "layer " << l;
+      EXPECT_EQ(kv.cache().tokens(l), 600);
+    }
+  }
+  {  // without the release the logits are the same
+    kvq::CacheBackend kv(kvq::parse_policy("f32"), model_->kv_geometry(), false, model_->rope());
+    kv.set_release_window(false);
+    kv.reset();
+    model_->forward(ids.data(), 599, 0, kv, nullptr);
+    model_->forward(ids.data() + 599, 1, 599, kv, last.data());
+    expect_row(last.data(), V, windowed, 5e-3, "cache without release");
+    EXPECT_EQ(kv.cache().released_tokens(0), 0);
   }
   kvq::eval::Fp32Backend f32(model_->kv_geometry());
   f32.reset();

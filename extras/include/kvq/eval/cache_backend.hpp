@@ -66,7 +66,16 @@ class CacheBackend final : public eval::KVBackend {
     AttentionOptions opt;
     opt.window = window > 0 ? window : 0;
     attend_one(cache_, layer, q, n_heads, out, ws_, layer_rope(layer), opt);
+    release(layer, pos, window);
   }
+
+  /// Sliding-window release (on by default): after a windowed attention whose newest query
+  /// sits at position p, the pages of that layer wholly before p - window + 2 (the first
+  /// position a later query can see) are released (KVCache::release_before), so a local layer
+  /// holds about its window and memory_report() counts only that. Off keeps every token (a
+  /// cache to be archived whole, or read back).
+  void set_release_window(bool on) { release_window_ = on; }
+  bool release_window() const { return release_window_; }
 
   /// Chunked mode (off by default): a forward call of several tokens appends them all, then
   /// runs one causal attention for all their queries (the cache's batched prefill attention),
@@ -98,6 +107,7 @@ class CacheBackend final : public eval::KVBackend {
     const int D = cache_.head_dim();
     kvq::attend(cache_, layer, KVView<const float>::nhd(q, n, n_heads, D),
                 KVView<float>::nhd(out, n, n_heads, D), true, ws_, layer_rope(layer), opt);
+    release(layer, pos0 + n - 1, window);
   }
 
   /// Per-layer RoPE of pre-RoPE keys (models whose layers rotate with different bases, e.g.
@@ -114,6 +124,11 @@ class CacheBackend final : public eval::KVBackend {
   KVCache& mutable_cache() { return cache_; }
 
  private:
+  /// After a windowed attention whose newest query is at `pos`: pages no later query sees go.
+  void release(int layer, int pos, int window) {
+    if (release_window_ && window > 0) cache_.release_before(layer, int64_t{pos} - window + 2);
+  }
+
   /// The RoPE attention applies to `layer`'s keys (nullptr: they are stored post-RoPE).
   const RopeConfig* layer_rope(int layer) const {
     if (!prerope_) return nullptr;
@@ -123,6 +138,7 @@ class CacheBackend final : public eval::KVBackend {
   KVCache cache_;
   bool prerope_;
   bool chunked_ = false;
+  bool release_window_ = true;
   RopeConfig rope_;
   std::vector<RopeConfig> layer_ropes_;
   AttentionWorkspace ws_;
