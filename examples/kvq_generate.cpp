@@ -155,6 +155,7 @@ int main(int argc, char** argv) {
           std::fflush(stdout);
         });
     std::fputs("\n", stdout);
+    std::fflush(stdout);  // the text ends before the statistics (stderr) begin
     const auto m = kv.cache().memory_report();
     const double f16_bytes = 2.0 * static_cast<double>(m.elements());
     FILE* stats = print_ids ? stdout : stderr;
