@@ -117,11 +117,18 @@ int main(int argc, char** argv) {
                   m.describe().c_str(), m.rope().theta,
                   m.rope().style == kvq::RopeStyle::kAdjacent ? "adjacent" : "half");
       const auto lr = m.layer_ropes();
+      std::string others;
+      double other_theta = 0;
       for (size_t l = 0; l < lr.size(); ++l) {
         if (lr[l].theta != m.rope().theta) {
-          std::printf("note: layer %zu rotates with RoPE theta %g (a dump holds one theta)\n", l,
-                      lr[l].theta);
+          others += (others.empty() ? "" : ",") + std::to_string(l);
+          other_theta = lr[l].theta;
         }
+      }
+      if (!others.empty()) {
+        std::printf("note: layers %s (sliding-window) rotate with RoPE theta %g; a dump holds one "
+                    "theta, the one above\n",
+                    others.c_str(), other_theta);
       }
     }
     const bool st = out.size() > 12 && out.substr(out.size() - 12) == ".safetensors";
