@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kvq/cache/kv_cache.hpp"
+#include "kvq/io/calibration_file.hpp"
 #include "kvq/policy/spec.hpp"
 
 namespace {
@@ -43,6 +44,17 @@ TEST(LayerKinds, Errors) {
   }
   EXPECT_THROW(kvq::KVCache(p, 4, 1, 64), kvq::Error);
   EXPECT_THROW(p.bind_layer_kinds({1, 0}, 4), kvq::Error);  // kinds for 2 of 4 layers
+  // A calibration file holds a bound policy: kind terms there are a parse error.
+  try {
+    kvq::parse_calibration(
+        R"({"format": "kvq-calibration", "version": 1, "spec": "kivi2,k@local=nuq3/channel/g32",)"
+        R"( "n_layers": 2, "codebooks": []})",
+        "kinds.json");
+    FAIL() << "kind terms in a calibration file were accepted";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.kind(), kvq::ErrorKind::kParse);
+    EXPECT_NE(std::string(e.what()).find("k@local"), std::string::npos) << e.what();
+  }
 }
 
 TEST(LayerKinds, BindingPrecedence) {
