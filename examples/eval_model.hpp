@@ -6,7 +6,7 @@
 //   llama2.c: BOS + line (the '\r' of a CRLF line kept), cut at the model's seq_len;
 //   GGUF:     the line without '\r', BOS only if the GGUF says add_bos_token, cut at 512 tokens
 //             (shared/docs/reference.md's SmolLM2 protocol).
-// `--model smollm2` names the GGUF fetched by `./kvq.sh model smollm2`.
+// `--model smollm2` / `--model gemma3` name the GGUFs fetched by `./kvq.sh model NAME`.
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
@@ -14,10 +14,12 @@
 #include <vector>
 
 #include "kvq/core/rope.hpp"
+#include "kvq/eval/gguf_tokenizer.hpp"
 #include "kvq/eval/kv_backend.hpp"
 #include "kvq/eval/llama2c.hpp"
 #include "kvq/eval/llama_gguf.hpp"
 #include "kvq/io/gguf.hpp"
+#include "kvq/policy/spec.hpp"
 
 namespace kvq_tools {
 
@@ -33,12 +35,16 @@ inline std::string model_dir() {
 /// The file name of SmolLM2 in the model cache.
 inline std::string smollm2_path() { return model_dir() + "/SmolLM2-135M-Instruct.Q4_1.gguf"; }
 
-/// `--model` argument -> path: "smollm2" names the cached GGUF, anything else is a path.
+/// The file name of Gemma 3 270M in the model cache.
+inline std::string gemma3_path() { return model_dir() + "/gemma-3-270m-q4_k_m.gguf"; }
+
+/// `--model` argument -> path: "smollm2" and "gemma3" name the cached GGUFs (`./kvq.sh model
+/// NAME`), anything else is a path.
 inline std::string resolve_model(const std::string& arg) {
-  if (arg == "smollm2") {
-    const std::string p = smollm2_path();
-    KVQ_REQUIRE(kvq::io::GgufFile::is_gguf_file(p), kIo, "model 'smollm2': '", p,
-                "' not found; fetch it with ./kvq.sh model smollm2");
+  if (arg == "smollm2" || arg == "gemma3") {
+    const std::string p = arg == "smollm2" ? smollm2_path() : gemma3_path();
+    KVQ_REQUIRE(kvq::io::GgufFile::is_gguf_file(p), kIo, "model '", arg, "': '", p,
+                "' not found; fetch it with ./kvq.sh model ", arg);
     return p;
   }
   return arg;
@@ -63,6 +69,14 @@ class RecordingBackend final : public kvq::eval::KVBackend {
     n_heads_ = n_heads;
     inner_.attend(layer, pos, q, n_heads, out);
   }
+  void attend_window(int layer, int pos, const float* q, int n_heads, float* out,
+                     int window) override {
+    const int d = inner_.geometry().head_dim;
+    auto& dst = q_[static_cast<size_t>(layer)];
+    dst.insert(dst.end(), q, q + static_cast<size_t>(n_heads) * d);
+    n_heads_ = n_heads;
+    inner_.attend_window(layer, pos, q, n_heads, out, window);
+  }
   const kvq::eval::Fp32Backend& inner() const { return inner_; }
   /// Queries of `layer`, [tokens, n_heads, head_dim] post-RoPE.
   const std::vector<float>& queries(int layer) const { return q_[static_cast<size_t>(layer)]; }
@@ -86,7 +100,7 @@ class EvalModel {
     if (kvq::io::GgufFile::is_gguf_file(path_)) {
       const auto f = kvq::io::GgufFile::open(path_);
       gguf_ = std::make_unique<kvq::eval::LlamaGgufModel>(f, gguf_max_tokens);
-      bpe_ = std::make_unique<kvq::eval::BpeTokenizer>(kvq::eval::BpeTokenizer::from_gguf(f));
+      bpe_ = std::make_unique<kvq::eval::GgufTokenizer>(kvq::eval::GgufTokenizer::from_gguf(f));
     } else {
       l2c_ = std::make_unique<kvq::eval::Llama2cModel>(path_);
       tok_ = std::make_unique<kvq::eval::Tokenizer>(tok_path, l2c_->config().vocab_size);
@@ -103,6 +117,17 @@ class EvalModel {
   }
   /// RoPE of the model's keys (for pre-RoPE key caches).
   kvq::RopeConfig rope() const { return gguf_ ? gguf_->rope() : kvq::RopeConfig{}; }
+  /// `p` bound to this model's layer kinds (k@local / k@global terms become per-layer
+  /// overrides; a llama2.c model has only global layers).
+  kvq::Policy bind(const kvq::Policy& p) const {
+    const int n = kv_geometry().n_layers;
+    return p.bind_layer_kinds(gguf_ ? gguf_->config().layer_sliding : std::vector<char>{}, n);
+  }
+  /// Per-layer RoPE when the layers differ (Gemma 3's local and global layers), else empty.
+  std::vector<kvq::RopeConfig> layer_ropes() const {
+    if (!gguf_ || gguf_->config().layer_sliding.empty()) return {};
+    return gguf_->layer_ropes();
+  }
   int vocab_size() const {
     return gguf_ ? gguf_->config().vocab_size : l2c_->config().vocab_size;
   }
@@ -110,9 +135,16 @@ class EvalModel {
   std::string describe() const {
     if (!gguf_) return "llama2.c model " + path_;
     const auto& c = gguf_->config();
+    std::string swa;
+    int n_swa = 0;
+    for (int l = 0; l < c.n_layers; ++l) n_swa += c.sliding(l) ? 1 : 0;
+    if (n_swa > 0) {
+      swa = kvq::detail::cat(", sliding window ", c.sliding_window, " on ", n_swa, " of ",
+                             c.n_layers, " layers (rope theta ", c.rope_theta_swa, ")");
+    }
     return kvq::detail::cat("GGUF model ", path_, " (", c.arch, ", ", c.n_layers, " layers, ",
                             c.n_heads, "/", c.n_kv_heads, " heads of ", c.head_dim,
-                            ", rope theta ", c.rope_theta, ")");
+                            ", rope theta ", c.rope_theta, swa, ")");
   }
   /// The text's lines under the model's protocol.
   std::vector<std::string> read_lines(const std::string& path) const {
@@ -175,7 +207,7 @@ class EvalModel {
   std::unique_ptr<kvq::eval::Llama2cModel> l2c_;
   std::unique_ptr<kvq::eval::Tokenizer> tok_;
   std::unique_ptr<kvq::eval::LlamaGgufModel> gguf_;
-  std::unique_ptr<kvq::eval::BpeTokenizer> bpe_;
+  std::unique_ptr<kvq::eval::GgufTokenizer> bpe_;
 };
 
 }  // namespace kvq_tools

@@ -9,8 +9,8 @@
 //   --dump PATH                   a KV dump (docs/dump-format.md): .safetensors or .npy dir
 //   --model M [--tokenizer T] --text F
 //                                 a real model — llama2.c checkpoint (with its tokenizer T) or
-//                                 GGUF file (detected by magic; `smollm2` names the one fetched
-//                                 by ./kvq.sh model smollm2) —: its real K/V/Q on one sequence
+//                                 GGUF file (detected by magic; `smollm2` / `gemma3` name the ones
+//                                 fetched by ./kvq.sh model NAME) —: its real K/V/Q on one sequence
 //                                 of F, and perplexity + next-token KL over F with the cache
 //                                 held under each scheme (residual 0: every complete block
 //                                 quantized)
@@ -174,6 +174,9 @@ struct Input {
   std::string query_source;  // where the attention queries come from
   /// RoPE that turns the pre-RoPE keys into the keys (positions 0..tokens-1), when kp is set.
   std::function<void(float*, const kvq::Shape&)> rope;
+  /// Per-layer RoPE of a model whose layers differ (Gemma 3's local and global layers); when
+  /// set, it replaces `rope` for layer i.
+  std::vector<kvq::RopeConfig> layer_rope;
   kvq::Shape shape;
   int q_heads = 0;
   std::vector<Layer> layers;
@@ -289,6 +292,7 @@ Input model_input(kvq_tools::EvalModel& model, const std::vector<std::string>& l
   in.rope = [rc](float* x, const kvq::Shape& s) {  // the model's own RoPE
     kvq::apply_rope_pairs(x, s.tokens, s.heads, s.head_dim, 0, rc);
   };
+  in.layer_rope = model.layer_ropes();
   in.description = "model " + model.path() + " (K/V of text line " + std::to_string(which + 1) +
                    "), " + std::to_string(geo.n_layers) + " layers x " + in.shape.str();
   return in;
@@ -321,7 +325,12 @@ kvq_tools::Row evaluate_scheme(const Scheme& sc, const Input& in) {
     kvq::KVView<float> kd(kq.data(), shape), vd(vq.data(), shape);
     kvq::dequantize(qk, kd);
     kvq::dequantize(qv, vd);
-    if (sc.prerope) in.rope(kq.data(), shape);
+    if (sc.prerope && !in.layer_rope.empty()) {
+      kvq::apply_rope_pairs(kq.data(), shape.tokens, shape.heads, shape.head_dim, 0,
+                            in.layer_rope[static_cast<size_t>(li)]);
+    } else if (sc.prerope) {
+      in.rope(kq.data(), shape);
+    }
     const kvq::KVView<const float> kt(kq.data(), shape), vt(vq.data(), shape);
     kerr += kvq::eval::relative_mse(k, kt);
     verr += kvq::eval::relative_mse(v, vt);
@@ -639,7 +648,7 @@ void usage(const char* argv0) {
                "                        RoPE of its k_prerope keys (default adjacent, 10000)\n"
                "  --model M [--tokenizer T] [--text F] [--max-seqs N] [--no-perplexity]\n"
                "                        a llama2.c model (with T) or a GGUF file (its own\n"
-               "                        tokenizer; 'smollm2' = ./kvq.sh model smollm2): tensor\n"
+               "                        tokenizer; 'smollm2'/'gemma3' = ./kvq.sh model NAME): tensor\n"
                "                        errors on its real K/V/Q, plus perplexity and KL over F\n"
                "                        per scheme (tokenizer and text default to\n"
                "                        %s/data/stories260K/)\n"
@@ -823,6 +832,7 @@ int main(int argc, char** argv) {
         progress("perplexity ", si, grid.size(), grid[si].name);
         kvq::CacheBackend be(grid[si].policy(), model->kv_geometry(), grid[si].prerope,
                              model->rope());
+        be.set_layer_ropes(model->layer_ropes());
         kvq::eval::EvalOptions popt = opt;
         popt.reference_trace = &trace;
         const auto r = model->evaluate(be, lines, popt);

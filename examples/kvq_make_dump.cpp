@@ -4,8 +4,8 @@
 //
 //   kvq_make_dump --synthetic [--layers N --tokens T --kv-heads H --q-heads Q --head-dim D] OUT
 //   kvq_make_dump --model M [--tokenizer T] [--text F] [--line I] OUT
-// M: a llama2.c checkpoint (with its tokenizer T) or a GGUF file (detected by magic; `smollm2`
-// names the one fetched by ./kvq.sh model smollm2). The text defaults to tinystories-dev.txt.
+// M: a llama2.c checkpoint (with its tokenizer T) or a GGUF file (detected by magic; `smollm2` /
+// `gemma3` name the ones fetched by ./kvq.sh model NAME). The text defaults to tinystories-dev.txt.
 // OUT ending in .safetensors writes one file; anything else writes a directory of .npy files.
 #include <cstdio>
 #include <cstdlib>
@@ -74,7 +74,7 @@ int main(int argc, char** argv) {
                  "usage: kvq_make_dump --synthetic [--layers N --tokens T --kv-heads H "
                  "--q-heads Q --head-dim D] OUT\n"
                  "       kvq_make_dump --model M [--tokenizer T] [--text F] [--line I] OUT\n"
-                 "M: llama2.c checkpoint (with T), GGUF file, or smollm2 (./kvq.sh model smollm2)\n");
+                 "M: llama2.c checkpoint (with T), GGUF file, or smollm2 / gemma3 (./kvq.sh model NAME)\n");
     return 2;
   }
   try {
@@ -116,6 +116,20 @@ int main(int argc, char** argv) {
                   "kvq_compare --dump)\n",
                   m.describe().c_str(), m.rope().theta,
                   m.rope().style == kvq::RopeStyle::kAdjacent ? "adjacent" : "half");
+      const auto lr = m.layer_ropes();
+      std::string others;
+      double other_theta = 0;
+      for (size_t l = 0; l < lr.size(); ++l) {
+        if (lr[l].theta != m.rope().theta) {
+          others += (others.empty() ? "" : ",") + std::to_string(l);
+          other_theta = lr[l].theta;
+        }
+      }
+      if (!others.empty()) {
+        std::printf("note: layers %s (sliding-window) rotate with RoPE theta %g; a dump holds one "
+                    "theta, the one above\n",
+                    others.c_str(), other_theta);
+      }
     }
     const bool st = out.size() > 12 && out.substr(out.size() - 12) == ".safetensors";
     kvq::io::save_kv_dump(out, dump,

@@ -108,7 +108,8 @@ int main(int argc, char** argv) {
     const size_t V = static_cast<size_t>(model.vocab_size());
 
     // The original sequence: prefill N tokens (timed as "recompute"), save, then the next token.
-    kvq::CacheBackend a(policy, geo, false, model.rope());
+    kvq::CacheBackend a(model.bind(policy), geo, false, model.rope());
+    a.set_release_window(false);  // the archive holds the whole sequence
     a.reset();
     const auto t0 = Clock::now();
     model.forward(ids.data(), prefix, 0, a, nullptr);
@@ -120,7 +121,8 @@ int main(int argc, char** argv) {
     const auto t3 = Clock::now();
 
     // The restored sequence: an empty cache, the archive read into it, then the next token.
-    kvq::CacheBackend b(policy, geo, false, model.rope());
+    kvq::CacheBackend b(model.bind(policy), geo, false, model.rope());
+    b.set_release_window(false);
     b.reset();
     const auto t4 = Clock::now();
     kvq::io::load_archive(out_path, b.mutable_cache());

@@ -5,7 +5,7 @@
 //                  [--max-seqs N] [--seq-len N] [--simulate] [--prerope]
 //
 // M is a llama2.c checkpoint (then T is its tokenizer file), a GGUF file (detected by its magic;
-// it carries its tokenizer), or `smollm2`: the GGUF fetched by `./kvq.sh model smollm2`.
+// it carries its tokenizer), or `smollm2` / `gemma3`: the GGUFs fetched by `./kvq.sh model NAME`.
 //
 // The cache is kvq's streaming KVCache (keys and values packed in shared blocks), or with
 // --simulate the SimulatedBackend (eval/simulated_backend.hpp: every key and value scale group
@@ -43,7 +43,8 @@ namespace {
 class MeasuringBackend final : public kvq::eval::KVBackend {
  public:
   MeasuringBackend(kvq::Policy p, const kvq::eval::KVGeometry& g, bool simulate, bool prerope,
-                   const kvq::RopeConfig& rope = {}) {
+                   const kvq::RopeConfig& rope = {},
+                   std::vector<kvq::RopeConfig> layer_ropes = {}) {
     if (simulate) {
       KVQ_REQUIRE(!prerope || rope.style == kvq::RopeStyle::kAdjacent, kUnsupported,
                   "--simulate --prerope supports adjacent-pair RoPE only (this model rotates "
@@ -54,6 +55,7 @@ class MeasuringBackend final : public kvq::eval::KVBackend {
       sim_ = std::make_unique<kvq::SimulatedBackend>(std::move(p), g, o);
     } else {
       cache_ = std::make_unique<kvq::CacheBackend>(std::move(p), g, prerope, rope);
+      cache_->set_layer_ropes(std::move(layer_ropes));
     }
   }
   void reset() override {
@@ -65,6 +67,10 @@ class MeasuringBackend final : public kvq::eval::KVBackend {
   }
   void attend(int layer, int pos, const float* q, int n_heads, float* out) override {
     inner().attend(layer, pos, q, n_heads, out);
+  }
+  void attend_window(int layer, int pos, const float* q, int n_heads, float* out,
+                     int window) override {
+    inner().attend_window(layer, pos, q, n_heads, out, window);
   }
   void measure() {
     std::size_t bytes = 0, elements = 0;
@@ -101,7 +107,7 @@ void usage() {
                "  [--prerope] [--threads N] [--calibrate PATH] [--save-calibration FILE]\n"
                "--model: a llama2.c checkpoint (with --tokenizer), a GGUF file (its own tokenizer;\n"
                "  lines without '\\r', no BOS unless the file says so, cut at 512 tokens), or\n"
-               "  'smollm2' for the GGUF fetched by ./kvq.sh model smollm2\n"
+               "  'smollm2' / 'gemma3' for the GGUFs fetched by ./kvq.sh model NAME\n"
                "--threads: threads of a GGUF model's matrix products (default: all cores)\n"
                "--simulate: quantize each key/value scale group as soon as it is complete (keys\n"
                "  and values independently; simulated quantization, the reference table's rule)\n"
@@ -181,6 +187,7 @@ int main(int argc, char** argv) {
     // nuq policies: codebooks from --calibrate (a spec that needs one without it is an error).
     std::vector<std::string> names;  // specs as given (a calibrated policy lists every layer)
     for (const kvq::Policy& p : policies) names.push_back(p.spec());
+    for (kvq::Policy& p : policies) p = model.bind(p);  // k@local / k@global -> per layer
     const std::string calib_what = kvq_tools::calibrate_policies(
         policies, calib, geo.n_layers, &geo, prerope,
         [&](const std::string& path, kvq::eval::KVBackend& rec) {
@@ -192,7 +199,7 @@ int main(int argc, char** argv) {
     for (std::size_t pi = 0; pi < policies.size(); ++pi) {
       const kvq::Policy& p = policies[pi];
       std::fprintf(stderr, "kvq_perplexity: %s ...\n", names[pi].c_str());
-      MeasuringBackend be(p, geo, simulate, prerope, model.rope());
+      MeasuringBackend be(p, geo, simulate, prerope, model.rope(), model.layer_ropes());
       kvq::eval::EvalOptions popt = opt;
       popt.reference_trace = &trace;
       const auto r = model.evaluate(be, lines, popt);

@@ -230,8 +230,11 @@ std::string file_digest(const std::string& path) {
 /// A streaming cache that also measures what it stores at the end of every sequence.
 class MeasuredCache final : public kvq::eval::KVBackend {
  public:
-  MeasuredCache(kvq::Policy p, const kvq::eval::KVGeometry& g, bool prerope, kvq::RopeConfig rope)
-      : be_(std::move(p), g, prerope, rope) {}
+  MeasuredCache(kvq::Policy p, const kvq::eval::KVGeometry& g, bool prerope, kvq::RopeConfig rope,
+                std::vector<kvq::RopeConfig> layer_ropes = {})
+      : be_(std::move(p), g, prerope, rope) {
+    be_.set_layer_ropes(std::move(layer_ropes));  // Gemma: a rope base per layer kind
+  }
   void reset() override {
     measure();
     be_.reset();
@@ -272,7 +275,7 @@ void usage() {
       "  [--granularity model|layer|layer-kv] [--candidates SPEC;SPEC...] [--objective kl|ppl]\n"
       "  [--probe SPEC] [--eval TEXT] [--out plan.json] [--measurements FILE] [--threads N]\n"
       "  [--max-seqs N] [--seq-len N] [--prerope]\n"
-      "--model: a llama2.c checkpoint (with --tokenizer), a GGUF file, or 'smollm2'\n"
+      "--model: a llama2.c checkpoint (with --tokenizer), a GGUF file, or 'smollm2' / 'gemma3'\n"
       "--calibrate: text the damage is measured on (one sequence per line, the model's protocol)\n"
       "--budget: mean storage bits per K/V value (complete groups, metadata included)\n"
       "--sweep: several budgets, one plan each (the measurements are shared)\n"
@@ -366,6 +369,10 @@ int main(int argc, char** argv) {
     if (threads > 0) model.set_threads(threads);
     const auto geo = model.kv_geometry();
     const kvq::RopeConfig rope = model.rope();
+    const std::vector<kvq::RopeConfig> layer_ropes = model.layer_ropes();  // empty: all `rope`
+    auto rope_of = [&](int l) -> const kvq::RopeConfig& {
+      return layer_ropes.empty() ? rope : layer_ropes[static_cast<size_t>(l)];
+    };
     const int L = geo.n_layers;
     const auto calib_lines = model.read_lines(calib_path);
 
@@ -379,7 +386,7 @@ int main(int argc, char** argv) {
 
     auto run_policy = [&](const kvq::Policy& pol, const std::vector<std::string>& lines,
                           const kvq::eval::LogitTrace& trace, const kvq::eval::EvalResult& ref) {
-      MeasuredCache be(pol, geo, prerope, rope);
+      MeasuredCache be(model.bind(pol), geo, prerope, rope, layer_ropes);
       kvq::eval::EvalOptions o = opt;
       o.reference_trace = &trace;
       const auto r = model.evaluate(be, lines, o);
@@ -417,11 +424,11 @@ int main(int argc, char** argv) {
       for (int l = 0; l < L; ++l) {
         const size_t li = static_cast<size_t>(l);
         for (size_t c = 0; c < cands.size(); ++c) {
-          m.err_k[li][c] = replay_error(cap, geo, l, cands[c].key, f32, prerope, rope);
-          m.err_v[li][c] = replay_error(cap, geo, l, f32, cands[c].value, prerope, rope);
+          m.err_k[li][c] = replay_error(cap, geo, l, cands[c].key, f32, prerope, rope_of(l));
+          m.err_v[li][c] = replay_error(cap, geo, l, f32, cands[c].value, prerope, rope_of(l));
         }
-        m.probe_err[li] = replay_error(cap, geo, l, probe.key, f32, prerope, rope) +
-                          replay_error(cap, geo, l, f32, probe.value, prerope, rope);
+        m.probe_err[li] = replay_error(cap, geo, l, probe.key, f32, prerope, rope_of(l)) +
+                          replay_error(cap, geo, l, f32, probe.value, prerope, rope_of(l));
         kvq::Policy pp;  // f32 everywhere but the probe on layer l
         pp.overrides[l] = {probe.key, probe.value};
         const RunResult pr = run_policy(pp, calib_lines, calib_trace, r_calib);

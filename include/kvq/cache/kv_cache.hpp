@@ -126,6 +126,7 @@ struct LayerMemory {
   int64_t sink_tokens = 0;
   int64_t packed_tokens = 0;
   int64_t residual_tokens = 0;
+  int64_t released_tokens = 0;  ///< positions whose pages were released (sliding window)
   int64_t blocks = 0;        ///< pages in use (each holds B tokens of K and V)
   int64_t block_tokens = 0;  ///< B
   std::size_t page_bytes = 0;  ///< bytes of one page (PageLayout::bytes)
@@ -320,6 +321,10 @@ class KVCache {
     KVQ_REQUIRE(0 <= begin && begin <= end && end <= L.tokens, kOutOfRange,
                 "KVCache::read: range [", begin, ", ", end, ") is outside the ", L.tokens,
                 " tokens of layer ", layer);
+    KVQ_REQUIRE(L.dropped == 0 || begin >= packed_begin(L) || end <= sink_count(L), kOutOfRange,
+                "KVCache::read: range [", begin, ", ", end, ") of layer ", layer,
+                " reaches tokens [", sink_count(L), ", ", packed_begin(L),
+                "), whose pages were released (release_before)");
     const Shape want{end - begin, kv_heads_, head_dim_};
     KVQ_REQUIRE(k_out.shape() == want && v_out.shape() == want, kShapeMismatch,
                 "KVCache::read: outputs must be ", want.str(), ", got keys ", k_out.shape().str(),
@@ -358,7 +363,7 @@ class KVCache {
     for (std::size_t j = 0; j < L.pages.size(); ++j) {
       CacheSegment p;
       p.kind = CacheSegment::Kind::kPacked;
-      p.begin = s + static_cast<int64_t>(j) * L.block;
+      p.begin = packed_begin(L) + static_cast<int64_t>(j) * L.block;
       p.end = p.begin + L.block;
       p.key_view = L.layout.key_view(L.pages.page(j));
       p.value_view = L.layout.value_view(L.pages.page(j));
@@ -385,7 +390,7 @@ class KVCache {
     t.layout = L.layout;
     t.pages = L.pages.table();
     t.n_pages = static_cast<int64_t>(L.pages.size());
-    t.first_token = sink_count(L);
+    t.first_token = packed_begin(L);
     t.tokens = packed_count(L);
     return t;
   }
@@ -415,7 +420,7 @@ class KVCache {
     check_truncate(layer, n);
     const Layer& L = layers_[static_cast<std::size_t>(layer)];
     const int64_t s = sink_count(L);
-    const int64_t packed_end = s + packed_count(L);
+    const int64_t packed_end = packed_begin(L) + packed_count(L);
     return n <= s || n >= packed_end || (n - s) % L.block == 0 ||
            (L.roll && n >= packed_end - L.block);
   }
@@ -427,9 +432,37 @@ class KVCache {
     for (Layer& L : layers_) L.pages.release_unused();
   }
 
+  /// Releases the pages of `layer` whose tokens all lie before `position`: a sliding-window
+  /// layer whose queries from now on see only positions >= `position` (CacheBackend calls it
+  /// after each windowed attention). Only whole pages go; the sinks and the f32 residual stay.
+  /// The slots become free (reused by later flushes; release_unused_pages() gives them back to
+  /// an engine's PageAllocator), memory_report() counts only what is held, tokens() still
+  /// counts every position appended. Released tokens can no longer be read or truncated to,
+  /// and attention over the layer needs a window that excludes them. Returns the pages
+  /// released. No allocation, no throw.
+  int64_t release_before(int layer, int64_t position) noexcept {
+    if (layer < 0 || layer >= n_layers_) return 0;
+    Layer& L = layers_[static_cast<std::size_t>(layer)];
+    const int64_t first = packed_begin(L);
+    if (position <= first) return 0;
+    const int64_t n = std::min<int64_t>((position - first) / L.block,
+                                        static_cast<int64_t>(L.pages.size()));
+    if (n <= 0) return 0;
+    if (n == static_cast<int64_t>(L.pages.size())) L.roll = false;  // the newest page's originals
+    L.pages.drop_front(static_cast<std::size_t>(n));
+    L.dropped += n;
+    return n;
+  }
+  /// Tokens of `layer` whose pages were released (release_before).
+  int64_t released_tokens(int layer) const {
+    const Layer& L = at(layer, "released_tokens");
+    return L.dropped * L.block;
+  }
+
   void clear() {
     for (Layer& L : layers_) {
       L.tokens = 0;
+      L.dropped = 0;
       L.sink_k.clear();
       L.sink_v.clear();
       L.pages.resize(0);
@@ -472,7 +505,8 @@ class KVCache {
       const Layer& L = layers_[static_cast<std::size_t>(l)];
       LayerMemory lm;
       lm.layer = l;
-      lm.tokens = L.tokens;
+      lm.tokens = L.tokens - L.dropped * L.block;  // held
+      lm.released_tokens = L.dropped * L.block;
       lm.sink_tokens = sink_count(L);
       lm.packed_tokens = packed_count(L);
       lm.residual_tokens = residual_count(L);
@@ -512,6 +546,7 @@ class KVCache {
     int64_t block = 1;       // B
     bool skipped = false;
     int64_t tokens = 0;
+    int64_t dropped = 0;                    // pages released from the front (release_before)
     PageLayout layout;                      // pages of B tokens
     PageArena pages;                        // pages in use: [0, pages.size())
     std::vector<float> sink_k, sink_v;      // [sink tokens, kv_heads, head_dim]
@@ -557,6 +592,8 @@ class KVCache {
   int64_t packed_count(const Layer& L) const {
     return static_cast<int64_t>(L.pages.size()) * L.block;
   }
+  /// Position of the first packed token held (after the sinks and the released pages).
+  int64_t packed_begin(const Layer& L) const { return sink_count(L) + L.dropped * L.block; }
   int64_t residual_count(const Layer& L) const {
     return static_cast<int64_t>(L.res_k.size()) / row_;
   }
@@ -769,6 +806,9 @@ class KVCache {
     const Layer& L = at(layer, "truncate");
     KVQ_REQUIRE(n >= 0 && n <= L.tokens, kOutOfRange, "KVCache::truncate: cannot keep ", n,
                 " tokens of layer ", layer, ", which holds ", L.tokens);
+    KVQ_REQUIRE(L.dropped == 0 || n >= packed_begin(L), kOutOfRange, "KVCache::truncate: cannot "
+                "keep ", n, " tokens of layer ", layer, ": its pages before token ",
+                packed_begin(L), " were released (release_before)");
   }
 
   /// True when truncate(n) unpacks the newest page from its kept originals: the page was
@@ -776,7 +816,7 @@ class KVCache {
   /// never packed it.
   bool unflushes(const Layer& L, int64_t n) const {
     if (!L.roll || L.pages.size() == 0) return false;
-    const int64_t b = sink_count(L) + packed_count(L) - L.block;  // newest page's first token
+    const int64_t b = packed_begin(L) + packed_count(L) - L.block;  // newest page's first token
     return n >= b && n < b + L.block + policy_.residual;
   }
 
@@ -786,7 +826,7 @@ class KVCache {
     const Layer& L = layers_[static_cast<std::size_t>(layer)];
     std::pair<std::vector<float>, std::vector<float>> rows;
     if (truncate_is_exact(layer, n)) return rows;
-    const int64_t rel = n - sink_count(L);
+    const int64_t rel = n - packed_begin(L);
     const auto j = static_cast<std::size_t>(rel / L.block);
     const int64_t keep = rel % L.block;
     rows.first.resize(static_cast<std::size_t>(keep * row_));
@@ -804,7 +844,7 @@ class KVCache {
     const int64_t s = sink_count(L);
     if (unflushes(L, n)) {
       // Back to the state before the newest flush: its originals, then the residual, up to n.
-      const int64_t b = s + packed_count(L) - L.block;
+      const int64_t b = packed_begin(L) + packed_count(L) - L.block;
       const int64_t from_roll = std::min(n - b, L.block);
       const auto keep_res = static_cast<std::ptrdiff_t>((n - b - from_roll) * row_);
       for (auto* res : {&L.res_k, &L.res_v})  // may throw bad_alloc: before any change
@@ -825,14 +865,14 @@ class KVCache {
       L.res_k.clear();
       L.res_v.clear();
       L.roll = false;
-    } else if (n >= s + packed_count(L)) {
-      const auto keep = static_cast<std::size_t>((n - s - packed_count(L)) * row_);
+    } else if (n >= packed_begin(L) + packed_count(L)) {
+      const auto keep = static_cast<std::size_t>((n - packed_begin(L) - packed_count(L)) * row_);
       L.res_k.resize(keep);
       L.res_v.resize(keep);
     } else {  // a cut inside an older page: its kept tokens come back dequantized
       L.res_k.assign(cut.first.begin(), cut.first.end());
       L.res_v.assign(cut.second.begin(), cut.second.end());
-      L.pages.resize(static_cast<std::size_t>((n - s) / L.block));
+      L.pages.resize(static_cast<std::size_t>((n - packed_begin(L)) / L.block));
       L.roll = false;
     }
     L.tokens = n;

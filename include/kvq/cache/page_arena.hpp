@@ -91,6 +91,16 @@ class PageArena {
   }
   /// Makes pages [0, n) the pages in use (n <= capacity(); no allocation, no throw).
   void resize(std::size_t n) { used_ = std::min(n, slots_.size()); }
+  /// Takes the first n pages in use out of use (a sliding-window layer releasing its oldest
+  /// pages): the pages in use keep their order and become [0, size() - n); the n pages become
+  /// free slots, reused by later writers or given back by release_unused(). No page moves in
+  /// memory; no allocation, no throw.
+  void drop_front(std::size_t n) noexcept {
+    n = std::min(n, used_);
+    std::rotate(slots_.begin(), slots_.begin() + static_cast<std::ptrdiff_t>(n),
+                slots_.begin() + static_cast<std::ptrdiff_t>(used_));
+    used_ -= n;
+  }
 
   /// Ensures capacity() >= pages; allocates one chunk when it grows (may throw bad_alloc,
   /// changing nothing). Exact: reserve(n) on an empty arena allocates n pages.

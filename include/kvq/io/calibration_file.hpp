@@ -129,6 +129,9 @@ inline CalibrationFile parse_calibration(std::string_view text, const std::strin
   } catch (const Error& e) {
     bad(std::string("\"spec\" does not parse: ") + e.what());
   }
+  if (out.policy.has_kind_terms())  // a calibrated policy is bound to its model's layers
+    bad("\"spec\" has k@local / v@local / k@global / v@global terms; a calibration file holds "
+        "the policy bound to its model (per-layer terms)");
   const io::Json& cbs = field(j, "codebooks");
   if (!cbs.is_array()) bad("\"codebooks\" must be an array");
   std::vector<uint8_t> seen(static_cast<std::size_t>(2 * out.n_layers), 0);

@@ -13,7 +13,8 @@
 ///   spec   := item (',' item)*          the first item may be a preset name
 ///   item   := preset | field '=' value
 ///   field  := k | v | residual | sinks | skip | skipas | k@<layer> | v@<layer>
-///   term   := fmt ('/' option)*          (k, v, skipas, k@L, v@L)
+///             | k@local | v@local | k@global | v@global
+///   term   := fmt ('/' option)*          (k, v, skipas, k@L, v@L, k@local, ...)
 ///   fmt    := f32 f16 bf16 e4m3 e5m2 int2 int3 int4 int8 sint2 sint3 sint4 sint8 lm1..lm4
 ///             nuq2 nuq3 nuq4
 ///   option := token | channel | head | tensor | g<N> | rot | qjl | f32meta | out<N> | out<P>%
@@ -27,6 +28,9 @@
 /// a calibration file: policy/calibrate.hpp, io/calibration_file.hpp); the spec names the format, not the codebook.
 /// out<N> / out<P>% (int, fp8, nuq) keep N, or ceil(P% x head_dim), outliers per vector exactly
 /// (quant/outlier_quant.hpp, docs/outliers.md).
+/// k@local / v@local apply to a model's sliding-window ("local") layers, k@global / v@global to
+/// its other layers; which layers those are is the model's, so such a policy is bound to the
+/// model's layer kinds (Policy::bind_layer_kinds) before a cache uses it.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -311,6 +315,41 @@ struct Policy {
   QuantConfig skip_config = raw_config(Format::kF32);
   /// Per-layer (key, value) configs; they win over skip and over the base configs.
   std::map<int, std::pair<QuantConfig, QuantConfig>> overrides;
+  /// Terms for one kind of layer (k@local=, v@global=, ...): each half set applies to every
+  /// layer of that kind, winning over skip and the base configs; k@L / v@L win over it.
+  struct KindTerms {
+    bool has_key = false, has_value = false;
+    QuantConfig key = raw_config(Format::kF32), value = raw_config(Format::kF32);
+    bool any() const { return has_key || has_value; }
+  };
+  KindTerms local;   ///< sliding-window layers (Gemma's local layers)
+  KindTerms global;  ///< every other layer
+
+  /// True when the policy has k@local / v@local / k@global / v@global terms (it must be bound
+  /// to the model's layer kinds before a cache can use it).
+  bool has_kind_terms() const { return local.any() || global.any(); }
+
+  /// This policy for a model whose layer l is a sliding-window layer when sliding[l] != 0
+  /// (empty: no such layers, every layer global): the kind terms become per-layer overrides
+  /// (layers with an explicit k@L / v@L keep theirs) and are cleared. A policy without kind
+  /// terms comes back unchanged.
+  Policy bind_layer_kinds(const std::vector<char>& sliding, int n_layers) const {
+    KVQ_REQUIRE(n_layers > 0 && (sliding.empty() || static_cast<int>(sliding.size()) == n_layers),
+                kInvalidArgument, "policy: layer kinds for ", sliding.size(), " layers, model has ",
+                n_layers);
+    Policy p = *this;
+    p.local = KindTerms{};
+    p.global = KindTerms{};
+    if (!has_kind_terms()) return p;
+    for (int l = 0; l < n_layers; ++l) {
+      if (overrides.count(l) != 0) continue;
+      const KindTerms& t = !sliding.empty() && sliding[static_cast<size_t>(l)] != 0 ? local : global;
+      if (!t.any()) continue;
+      p.overrides[l] = {t.has_key ? t.key : p.key_for(l, n_layers),
+                        t.has_value ? t.value : p.value_for(l, n_layers)};
+    }
+    return p;
+  }
 
   /// True when `layer` of an n_layers model is a skipped boundary layer (overrides aside).
   /// Ranges may overlap: skip=3:3 on a 4-layer model skips every layer.
@@ -321,12 +360,14 @@ struct Policy {
   /// Key config of `layer`: its override, else skip_config when skipped, else `key`.
   QuantConfig key_for(int layer, int n_layers) const {
     check_layer(layer, n_layers);
+    check_bound();
     if (auto it = overrides.find(layer); it != overrides.end()) return it->second.first;
     return skips(layer, n_layers) ? skip_config : key;
   }
   /// Value config of `layer`: its override, else skip_config when skipped, else `value`.
   QuantConfig value_for(int layer, int n_layers) const {
     check_layer(layer, n_layers);
+    check_bound();
     if (auto it = overrides.find(layer); it != overrides.end()) return it->second.second;
     return skips(layer, n_layers) ? skip_config : value;
   }
@@ -351,6 +392,11 @@ struct Policy {
       validate_config(kv.first, at + "key", true);
       validate_config(kv.second, at + "value", false);
     }
+    for (const auto* t : {&local, &global}) {
+      const std::string at = t == &local ? "k@local/v@local " : "k@global/v@global ";
+      if (t->has_key) validate_config(t->key, at + "key", true);
+      if (t->has_value) validate_config(t->value, at + "value", false);
+    }
     check_blocks(ErrorKind::kInvalidArgument);
   }
 
@@ -360,10 +406,17 @@ struct Policy {
     detail::stream_block_tokens(key, value, kind);
     detail::stream_block_tokens(skip_config, skip_config, kind);
     for (const auto& kv : overrides) detail::stream_block_tokens(kv.second.first, kv.second.second, kind);
+    for (const auto* t : {&local, &global}) {
+      if (t->any()) {
+        detail::stream_block_tokens(t->has_key ? t->key : key, t->has_value ? t->value : value,
+                                    kind);
+      }
+    }
   }
 
   /// Canonical spec: every field explicit, in the order
-  ///   k=..,v=..,residual=R,sinks=S,skip=N:M[,skipas=..][,k@L=..,v@L=.. for each override]
+  ///   k=..,v=..,residual=R,sinks=S,skip=N:M[,skipas=..][,k@local=..][,v@local=..]
+  ///   [,k@global=..][,v@global=..][,k@L=..,v@L=.. for each override]
   /// (skipas only when not f32). parse_policy(spec()) == *this for every valid policy whose
   /// seeds and fp8 margins are the defaults. Throws kInvalidArgument for an invalid policy.
   std::string spec() const {
@@ -373,6 +426,11 @@ struct Policy {
                     ",skip=" + std::to_string(skip_first) + ":" + std::to_string(skip_last);
     if (!same_config(skip_config, raw_config(Format::kF32)))
       s += ",skipas=" + config_spec(skip_config);
+    for (const auto* t : {&local, &global}) {
+      const std::string kind = t == &local ? "local" : "global";
+      if (t->has_key) s += ",k@" + kind + "=" + config_spec(t->key);
+      if (t->has_value) s += ",v@" + kind + "=" + config_spec(t->value);
+    }
     for (const auto& [layer, kv] : overrides) {
       s += ",k@" + std::to_string(layer) + "=" + config_spec(kv.first);
       s += ",v@" + std::to_string(layer) + "=" + config_spec(kv.second);
@@ -381,6 +439,12 @@ struct Policy {
   }
 
  private:
+  void check_bound() const {
+    KVQ_REQUIRE(!has_kind_terms(), kInvalidArgument,
+                "policy: k@local / v@local / k@global / v@global terms apply once the model's "
+                "layer kinds are bound (Policy::bind_layer_kinds; the tools bind them for the "
+                "model they run)");
+  }
   static void check_layer(int layer, int n_layers) {
     KVQ_REQUIRE(n_layers > 0 && layer >= 0 && layer < n_layers, kInvalidArgument, "policy: layer ",
                 layer, " out of range for a model with ", n_layers, " layers");
@@ -393,6 +457,12 @@ inline bool operator==(const Policy& a, const Policy& b) {
       a.sinks != b.sinks || a.skip_first != b.skip_first || a.skip_last != b.skip_last ||
       a.overrides.size() != b.overrides.size())
     return false;
+  const auto same_kind = [](const Policy::KindTerms& x, const Policy::KindTerms& y) {
+    return x.has_key == y.has_key && x.has_value == y.has_value &&
+           (!x.has_key || same_config(x.key, y.key)) &&
+           (!x.has_value || same_config(x.value, y.value));
+  };
+  if (!same_kind(a.local, b.local) || !same_kind(a.global, b.global)) return false;
   auto ia = a.overrides.begin();
   for (auto ib = b.overrides.begin(); ib != b.overrides.end(); ++ia, ++ib) {
     if (ia->first != ib->first || !same_config(ia->second.first, ib->second.first) ||
@@ -439,7 +509,8 @@ inline constexpr const char* kSpecFormats =
 inline constexpr const char* kSpecOptions =
     "an axis (token, channel, head, tensor), g<N>, rot, qjl, f32meta, out<N> or out<P>%";
 inline constexpr const char* kSpecFields =
-    "k, v, residual, sinks, skip, skipas, k@<layer>, v@<layer>";
+    "k, v, residual, sinks, skip, skipas, k@<layer>, v@<layer>, k@local, v@local, k@global, "
+    "v@global";
 
 inline std::string preset_list() {
   std::string s;
@@ -680,6 +751,18 @@ inline Policy parse_policy_impl(std::string_view spec_in, bool allow_presets) {
                                                              "the last-layer count of skip", item));
     } else if (name == "skipas") {
       p.skip_config = parse_skipas(value, item);
+    } else if (name == "k@local") {
+      p.local.key = parse_term(value, item, true);
+      p.local.has_key = true;
+    } else if (name == "v@local") {
+      p.local.value = parse_term(value, item, false);
+      p.local.has_value = true;
+    } else if (name == "k@global") {
+      p.global.key = parse_term(value, item, true);
+      p.global.has_key = true;
+    } else if (name == "v@global") {
+      p.global.value = parse_term(value, item, false);
+      p.global.has_value = true;
     } else if (name.size() > 2 && (name[0] == 'k' || name[0] == 'v') && name[1] == '@') {
       const int layer = static_cast<int>(
           parse_spec_number(name.substr(2), "the layer index of an override", item));

@@ -41,6 +41,37 @@ class KVBackend {
   /// 1/sqrt(head_dim), softmax, weighted sum of values; query head h uses kv head
   /// h / (n_heads / n_kv_heads).
   virtual void attend(int layer, int pos, const float* q, int n_heads, float* out) = 0;
+  /// attend() restricted to a sliding window: the query at `pos` sees only the tokens at
+  /// positions (pos - window, pos] (llama.cpp's standard SWA mask; Gemma's local layers).
+  /// window <= 0 means no window. The default serves every position that the window does not
+  /// yet cut (pos < window) through attend() and refuses the others by name; backends that
+  /// hold a whole sequence (Fp32Backend, CacheBackend) override it.
+  virtual void attend_window(int layer, int pos, const float* q, int n_heads, float* out,
+                             int window) {
+    KVQ_REQUIRE(window <= 0 || pos < window, kUnsupported, "KVBackend: this backend cannot "
+                "restrict attention to a sliding window (layer ", layer, ", position ", pos,
+                ", window ", window, ")");
+    attend(layer, pos, q, n_heads, out);
+  }
+  /// True when the backend takes a whole chunk per layer the way an engine's prefill does:
+  /// append_chunk() of all its tokens, then one attend_chunk() for all their queries (causal).
+  /// The model uses it for calls of more than one token; false (the default) keeps the
+  /// token-by-token contract above.
+  virtual bool chunked() const { return false; }
+  /// Appends n tokens at positions pos0 .. pos0 + n - 1: rows [n, n_kv_heads, head_dim].
+  virtual void append_chunk(int layer, int pos0, int n, const float* k_prerope, const float* k,
+                            const float* v) {
+    (void)layer, (void)pos0, (void)n, (void)k_prerope, (void)k, (void)v;
+    fail(ErrorKind::kUnsupported, "KVBackend: this backend does not take chunks");
+  }
+  /// Causal attention of the n newest positions' queries q [n, n_heads, head_dim] into out
+  /// (same shape), each over the tokens up to its own position (the last `window` of them
+  /// when window > 0).
+  virtual void attend_chunk(int layer, int pos0, int n, const float* q, int n_heads, float* out,
+                            int window) {
+    (void)layer, (void)pos0, (void)n, (void)q, (void)n_heads, (void)out, (void)window;
+    fail(ErrorKind::kUnsupported, "KVBackend: this backend does not take chunks");
+  }
 };
 
 /// Dimensions a backend needs to size its storage; the model reports its own
@@ -240,10 +271,18 @@ class Fp32Backend final : public KVBackend {
   }
 
   void attend(int layer, int pos, const float* q, int n_heads, float* out) override {
+    attend_window(layer, pos, q, n_heads, out, 0);
+  }
+
+  void attend_window(int layer, int pos, const float* q, int n_heads, float* out,
+                     int window) override {
     check_layer(layer);
-    const int n = length_[static_cast<size_t>(layer)];
-    KVQ_REQUIRE(n > 0 && pos == n - 1, kInvalidArgument, "Fp32Backend::attend: layer ", layer,
-                " holds ", n, " tokens; a query at position ", pos,
+    const int held = length_[static_cast<size_t>(layer)];
+    // The tokens the query sees: [first, held), the last `window` of them when windowed.
+    const int first = window > 0 && held > window ? held - window : 0;
+    const int n = held - first;
+    KVQ_REQUIRE(held > 0 && pos == held - 1, kInvalidArgument, "Fp32Backend::attend: layer ", layer,
+                " holds ", held, " tokens; a query at position ", pos,
                 " must come right after appending its own token");
     KVQ_REQUIRE(n_heads > 0 && n_heads % g_.n_kv_heads == 0, kInvalidArgument,
                 "Fp32Backend::attend: n_heads=", n_heads,
@@ -255,8 +294,8 @@ class Fp32Backend final : public KVBackend {
     float* sc = scores_.data();  // [tokens] one head's scores, then exp(score - max)
     for (int h = 0; h < n_heads; ++h) {
       const int kvh = h / group;
-      const float* kt = k_.data() + head_offset(layer, kvh);  // [head_dim, max_tokens]
-      const float* vh = v_.data() + head_offset(layer, kvh);  // [max_tokens, head_dim]
+      const float* kt = k_.data() + head_offset(layer, kvh) + first;  // [head_dim, max_tokens]
+      const float* vh = v_.data() + head_offset(layer, kvh) + static_cast<size_t>(first) * hd;
       detail::scores_transposed(q + static_cast<size_t>(h) * hd, kt, g_.max_tokens, n, hd, scale,
                                 sc);
       const float sum = detail::exp_shifted_sum(sc, n, detail::max_of(sc, n));

@@ -7,8 +7,14 @@
 /// Architectures: "llama" (RMSNorm, RoPE on adjacent pairs — llama.cpp's NORM rope, because its
 /// converter permutes the Q/K rows of Hugging Face checkpoints so that adjacent pairs are the
 /// rotated ones —, GQA, SwiGLU, tied or separate output) and "qwen2" (the same with Q/K/V
-/// biases and NEOX rope on (i, i + head_dim/2) pairs). Anything else is refused by name, as are
-/// features not implemented here (partial rotary dims, rope scaling, Llama-3.1 rope_freqs).
+/// biases and NEOX rope on (i, i + head_dim/2) pairs) and "gemma3" (Gemma 3: per-head RMSNorm of
+/// queries and keys before RoPE, RMSNorm of the attention and feed-forward outputs before each
+/// residual add, GELU(tanh)-gated feed-forward, embeddings scaled by sqrt(n_embd), NEOX rope,
+/// query scale 1/sqrt(query_pre_attn_scalar or head_dim), sliding-window ("local") layers with
+/// their own rope base and every `pattern`-th layer global, tied output; the stored norm weights
+/// already include Gemma's +1, as llama.cpp's converter writes them). Anything else is refused
+/// by name, as are features not implemented here (partial rotary dims, rope scaling, Llama-3.1
+/// rope_freqs, logit soft-capping).
 ///
 /// Weights are dequantized once to f32 at load (io/gguf.hpp), so the forward pass is plain f32
 /// and its result depends only on the GGUF's stored values. A whole sequence is processed per
@@ -47,7 +53,7 @@ namespace kvq::eval {
 
 /// Hyperparameters read from GGUF metadata (and tensor shapes).
 struct LlamaGgufConfig {
-  std::string arch;       ///< general.architecture ("llama" or "qwen2")
+  std::string arch;       ///< general.architecture ("llama", "qwen2" or "gemma3")
   std::string name;       ///< general.name (may be empty)
   int n_layers = 0;
   int dim = 0;            ///< embedding_length
@@ -62,10 +68,37 @@ struct LlamaGgufConfig {
   float rms_eps = 1e-5f;
   bool tied_output = false;  ///< no output.weight: logits use token_embd
   bool qkv_bias = false;
+  // Gemma 3 (all off / neutral for llama and qwen2):
+  bool qk_norm = false;        ///< per-head RMSNorm of q and k (attn_q_norm / attn_k_norm)
+  bool post_norms = false;     ///< post_attention_norm / post_ffw_norm before the residual adds
+  bool gelu = false;           ///< GELU(tanh)(gate) * up instead of SiLU(gate) * up
+  float embed_scale = 1.0f;    ///< token embeddings multiplied by this (sqrt(n_embd) for Gemma)
+  /// Multiplies the queries after RoPE so that the backend's 1/sqrt(head_dim) score scale
+  /// becomes the model's (1 unless query_pre_attn_scalar differs from head_dim).
+  float q_scale = 1.0f;
+  int sliding_window = 0;      ///< tokens a sliding-window layer sees (0: no such layers)
+  double rope_theta_swa = 0.0; ///< rope base of the sliding-window layers
+  std::vector<char> layer_sliding;  ///< [n_layers] 1 for a sliding-window (local) layer
 
   int q_dim() const { return n_heads * head_dim; }
   int kv_dim() const { return n_kv_heads * head_dim; }
+  /// RoPE of the global layers (every layer of a model without sliding windows).
   RopeConfig rope() const { return RopeConfig{rope_theta, rope_style}; }
+  bool sliding(int layer) const {
+    return !layer_sliding.empty() && layer_sliding[static_cast<size_t>(layer)] != 0;
+  }
+  /// The window of `layer` (0: global attention).
+  int window(int layer) const { return sliding(layer) ? sliding_window : 0; }
+  /// RoPE of `layer` (the sliding-window layers of Gemma 3 use their own base).
+  RopeConfig rope(int layer) const {
+    return RopeConfig{sliding(layer) ? rope_theta_swa : rope_theta, rope_style};
+  }
+  /// rope(layer) of every layer.
+  std::vector<RopeConfig> layer_ropes() const {
+    std::vector<RopeConfig> r;
+    for (int l = 0; l < n_layers; ++l) r.push_back(rope(l));
+    return r;
+  }
 };
 
 namespace detail {
@@ -117,6 +150,12 @@ inline void rmsnorm_row(float* y, const float* x, const float* w, int n, float e
   for (int i = 0; i < n; ++i) y[i] = w[i] * (x[i] * scale);
 }
 
+/// GELU, tanh approximation (ggml_gelu, Gemma's hidden_activation "gelu_pytorch_tanh").
+inline float gelu_tanh(float x) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  return 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * x * (1.0f + 0.044715f * x * x)));
+}
+
 }  // namespace detail
 
 /// A Llama-family GGUF model, weights in f32.
@@ -145,13 +184,36 @@ class LlamaGgufModel {
   KVGeometry kv_geometry() const {
     return KVGeometry{cfg_.n_layers, cfg_.n_kv_heads, cfg_.head_dim, max_tokens_};
   }
+  /// RoPE of the global layers; rope(layer) / layer_ropes() for models whose sliding-window
+  /// layers use another base (Gemma 3).
   RopeConfig rope() const { return cfg_.rope(); }
+  RopeConfig rope(int layer) const { return cfg_.rope(layer); }
+  std::vector<RopeConfig> layer_ropes() const { return cfg_.layer_ropes(); }
 
   /// Runs tokens[0..n) at positions pos0 .. pos0 + n - 1 (the backend must hold exactly pos0
   /// tokens in every layer: a kv.reset() before pos0 = 0) and writes n rows of vocab_size
   /// logits (row-major) into `logits` (nullptr: skip the output layer, e.g. to only fill the
   /// cache).
   void forward(const int* tokens, int n, int pos0, KVBackend& kv, float* logits) {
+    forward_impl(tokens, n, pos0, kv, logits, false);
+  }
+
+  /// forward() that writes only the last token's row of logits (vocab_size floats): a
+  /// prompt's prefill before generation.
+  void forward_last(const int* tokens, int n, int pos0, KVBackend& kv, float* logits) {
+    forward_impl(tokens, n, pos0, kv, logits, true);
+  }
+
+  /// forward() into a fresh [n, vocab] vector.
+  std::vector<float> forward(const std::vector<int>& tokens, int pos0, KVBackend& kv) {
+    std::vector<float> logits(tokens.size() * static_cast<size_t>(cfg_.vocab_size));
+    forward(tokens.data(), static_cast<int>(tokens.size()), pos0, kv, logits.data());
+    return logits;
+  }
+
+ private:
+  void forward_impl(const int* tokens, int n, int pos0, KVBackend& kv, float* logits,
+                    bool last_only) {
     const LlamaGgufConfig& c = cfg_;
     KVQ_REQUIRE(n > 0, kInvalidArgument, "LlamaGgufModel::forward: no tokens");
     KVQ_REQUIRE(pos0 >= 0 && n <= max_tokens_ - pos0, kInvalidArgument,
@@ -177,6 +239,9 @@ class LlamaGgufModel {
       std::copy_n(tok_emb_.data() + static_cast<size_t>(tokens[t]) * dim, dim,
                   x_.data() + static_cast<size_t>(t) * dim);
     }
+    if (c.embed_scale != 1.0f) {
+      for (float& e : x_) e *= c.embed_scale;
+    }
     for (int l = 0; l < c.n_layers; ++l) {
       const Layer& L = layers_[static_cast<size_t>(l)];
       for (int t = 0; t < n; ++t) {
@@ -191,15 +256,41 @@ class LlamaGgufModel {
         add_bias(kp_.data(), n, L.bk);
         add_bias(v_.data(), n, L.bv);
       }
+      if (c.qk_norm) {  // per head, in place (pre-RoPE keys are the normed ones)
+        for (int r = 0; r < n * c.n_heads; ++r) {
+          float* h = q_.data() + static_cast<size_t>(r) * hd;
+          detail::rmsnorm_row(h, h, L.q_norm.data(), hd, c.rms_eps);
+        }
+        for (int r = 0; r < n * c.n_kv_heads; ++r) {
+          float* h = kp_.data() + static_cast<size_t>(r) * hd;
+          detail::rmsnorm_row(h, h, L.k_norm.data(), hd, c.rms_eps);
+        }
+      }
       k_ = kp_;
-      apply_rope_pairs(q_.data(), n, c.n_heads, hd, pos0, c.rope());
-      apply_rope_pairs(k_.data(), n, c.n_kv_heads, hd, pos0, c.rope());
-      for (int t = 0; t < n; ++t) {
-        const size_t ko = t * size_t(kvd);
-        kv.append(l, pos0 + t, kp_.data() + ko, k_.data() + ko, v_.data() + ko);
-        kv.attend(l, pos0 + t, q_.data() + t * size_t(qd), c.n_heads, att_.data() + t * size_t(qd));
+      const RopeConfig rope = c.rope(l);
+      apply_rope_pairs(q_.data(), n, c.n_heads, hd, pos0, rope);
+      apply_rope_pairs(k_.data(), n, c.n_kv_heads, hd, pos0, rope);
+      if (c.q_scale != 1.0f) {
+        for (size_t i = 0; i < N * qd; ++i) q_[i] *= c.q_scale;
+      }
+      const int window = c.window(l);
+      if (n > 1 && kv.chunked()) {  // an engine's prefill: the whole chunk, then its queries
+        kv.append_chunk(l, pos0, n, kp_.data(), k_.data(), v_.data());
+        kv.attend_chunk(l, pos0, n, q_.data(), c.n_heads, att_.data(), window);
+      } else {
+        for (int t = 0; t < n; ++t) {
+          const size_t ko = t * size_t(kvd);
+          kv.append(l, pos0 + t, kp_.data() + ko, k_.data() + ko, v_.data() + ko);
+          if (window > 0) {
+            kv.attend_window(l, pos0 + t, q_.data() + t * size_t(qd), c.n_heads,
+                             att_.data() + t * size_t(qd), window);
+          } else {
+            kv.attend(l, pos0 + t, q_.data() + t * size_t(qd), c.n_heads, att_.data() + t * size_t(qd));
+          }
+        }
       }
       detail::matmul_rows(att_.data(), n, qd, L.wo.data(), dim, xn_.data(), threads_);
+      if (c.post_norms) post_norm(n, L.post_attn_norm);
       for (size_t i = 0; i < N * dim; ++i) x_[i] += xn_[i];
 
       for (int t = 0; t < n; ++t) {
@@ -208,33 +299,42 @@ class LlamaGgufModel {
       }
       detail::matmul_rows(xn_.data(), n, dim, L.w_gate.data(), hid, g_.data(), threads_);
       detail::matmul_rows(xn_.data(), n, dim, L.w_up.data(), hid, u_.data(), threads_);
-      for (size_t i = 0; i < N * hid; ++i) {
-        const float a = g_[i];
-        g_[i] = a / (1.0f + std::exp(-a)) * u_[i];  // SiLU(gate) * up
+      if (c.gelu) {
+        for (size_t i = 0; i < N * hid; ++i) g_[i] = detail::gelu_tanh(g_[i]) * u_[i];
+      } else {
+        for (size_t i = 0; i < N * hid; ++i) {
+          const float a = g_[i];
+          g_[i] = a / (1.0f + std::exp(-a)) * u_[i];  // SiLU(gate) * up
+        }
       }
       detail::matmul_rows(g_.data(), n, hid, L.w_down.data(), dim, xn_.data(), threads_);
+      if (c.post_norms) post_norm(n, L.post_ffn_norm);
       for (size_t i = 0; i < N * dim; ++i) x_[i] += xn_[i];
     }
     if (logits == nullptr) return;
-    for (int t = 0; t < n; ++t) {
+    const int first = last_only ? n - 1 : 0;
+    for (int t = first; t < n; ++t) {
       detail::rmsnorm_row(xn_.data() + t * size_t(dim), x_.data() + t * size_t(dim),
                           out_norm_.data(), dim, c.rms_eps);
     }
     const float* wout = c.tied_output ? tok_emb_.data() : output_.data();
-    detail::matmul_rows(xn_.data(), n, dim, wout, c.vocab_size, logits, threads_);
+    detail::matmul_rows(xn_.data() + first * size_t(dim), n - first, dim, wout, c.vocab_size,
+                        logits, threads_);
   }
 
-  /// forward() into a fresh [n, vocab] vector.
-  std::vector<float> forward(const std::vector<int>& tokens, int pos0, KVBackend& kv) {
-    std::vector<float> logits(tokens.size() * static_cast<size_t>(cfg_.vocab_size));
-    forward(tokens.data(), static_cast<int>(tokens.size()), pos0, kv, logits.data());
-    return logits;
-  }
-
- private:
   struct Layer {
     std::vector<float> attn_norm, wq, wk, wv, wo, ffn_norm, w_gate, w_up, w_down, bq, bk, bv;
+    std::vector<float> q_norm, k_norm, post_attn_norm, post_ffn_norm;  // Gemma 3
   };
+
+  /// xn_ rows = RMSNorm(xn_ rows) * w (Gemma's norms of the attention / feed-forward outputs).
+  void post_norm(int n, const std::vector<float>& w) {
+    const int dim = cfg_.dim;
+    for (int t = 0; t < n; ++t) {
+      float* r = xn_.data() + static_cast<size_t>(t) * dim;
+      detail::rmsnorm_row(r, r, w.data(), dim, cfg_.rms_eps);
+    }
+  }
 
   static void add_bias(float* x, int n, const std::vector<float>& b) {
     const size_t w = b.size();
@@ -255,8 +355,9 @@ class LlamaGgufModel {
   void load(const io::GgufFile& f) {
     LlamaGgufConfig& c = cfg_;
     c.arch = f.get_string("general.architecture");
-    KVQ_REQUIRE(c.arch == "llama" || c.arch == "qwen2", kUnsupported, source_,
-                ": architecture '", c.arch, "' is not implemented (implemented: llama, qwen2)");
+    KVQ_REQUIRE(c.arch == "llama" || c.arch == "qwen2" || c.arch == "gemma3", kUnsupported,
+                source_, ": architecture '", c.arch,
+                "' is not implemented (implemented: llama, qwen2, gemma3)");
     c.name = f.get_string_or("general.name", "");
     const std::string a = c.arch + ".";
     c.n_layers = static_cast<int>(f.get_int(a + "block_count", 1, 4096));
@@ -290,8 +391,9 @@ class LlamaGgufModel {
     c.rms_eps = static_cast<float>(f.get_float_or(a + "attention.layer_norm_rms_epsilon", 1e-5));
     KVQ_REQUIRE(c.rms_eps >= 0.0f && c.rms_eps < 1.0f, kIo, source_,
                 ": attention.layer_norm_rms_epsilon ", c.rms_eps, " is outside [0, 1)");
-    c.rope_style = c.arch == "qwen2" ? RopeStyle::kHalf : RopeStyle::kAdjacent;
+    c.rope_style = c.arch == "llama" ? RopeStyle::kAdjacent : RopeStyle::kHalf;
     c.qkv_bias = c.arch == "qwen2";
+    if (c.arch == "gemma3") load_gemma3(f, a);
 
     const io::GgufTensorInfo& emb = f.tensor("token_embd.weight");
     KVQ_REQUIRE(emb.ne.size() == 2 && emb.ne[0] == c.dim && emb.ne[1] >= 1 && emb.ne[1] <= (1 << 22),
@@ -316,10 +418,55 @@ class LlamaGgufModel {
       L.w_gate = tensor(f, p + "ffn_gate.weight", {D, H});
       L.w_up = tensor(f, p + "ffn_up.weight", {D, H});
       L.w_down = tensor(f, p + "ffn_down.weight", {H, D});
+      if (c.qk_norm) {
+        L.q_norm = tensor(f, p + "attn_q_norm.weight", {c.head_dim});
+        L.k_norm = tensor(f, p + "attn_k_norm.weight", {c.head_dim});
+      }
+      if (c.post_norms) {
+        L.post_attn_norm = tensor(f, p + "post_attention_norm.weight", {D});
+        L.post_ffn_norm = tensor(f, p + "post_ffw_norm.weight", {D});
+      }
       if (c.qkv_bias) {
         L.bq = tensor(f, p + "attn_q.bias", {Q});
         L.bk = tensor(f, p + "attn_k.bias", {KV});
         L.bv = tensor(f, p + "attn_v.bias", {KV});
+      }
+    }
+  }
+
+  /// Gemma 3's hyper-parameters (after the common ones), with llama.cpp's defaults for the keys
+  /// its converter may leave out: local layers' rope base 10000, every 6th layer global, query
+  /// scale 1/sqrt(head_dim).
+  void load_gemma3(const io::GgufFile& f, const std::string& a) {
+    LlamaGgufConfig& c = cfg_;
+    c.qk_norm = c.post_norms = c.gelu = true;
+    c.embed_scale = std::sqrt(static_cast<float>(c.dim));
+    for (const char* k : {"final_logit_softcapping", "attn_logit_softcapping"}) {
+      const double cap = f.get_float_or(a + k, 0.0);
+      KVQ_REQUIRE(cap == 0.0, kUnsupported, source_, ": ", a, k, " = ", cap,
+                  " (logit soft-capping) is not implemented");
+    }
+    const double scalar = f.get_float_or(a + "attention.query_pre_attn_scalar", c.head_dim);
+    KVQ_REQUIRE(scalar > 0.0, kIo, source_, ": attention.query_pre_attn_scalar ", scalar,
+                " must be > 0");
+    c.q_scale = static_cast<float>(std::sqrt(static_cast<double>(c.head_dim) / scalar));
+    c.sliding_window = static_cast<int>(f.get_int_or(a + "attention.sliding_window", 0, 0, 1 << 24));
+    c.rope_theta_swa = f.get_float_or(a + "rope.freq_base_swa", 10000.0);
+    KVQ_REQUIRE(c.rope_theta_swa > 1.0, kIo, source_, ": rope.freq_base_swa ", c.rope_theta_swa,
+                " must be > 1");
+    c.layer_sliding.assign(static_cast<size_t>(c.n_layers), 0);
+    if (c.sliding_window > 0) {
+      const std::string pk = a + "attention.sliding_window_pattern";
+      const io::GgufValue* pv = f.find(pk);
+      if (pv != nullptr && pv->type == io::GgufValueType::kArray) {  // one bool per layer
+        const std::vector<int64_t> v = f.get_ints(pk);
+        KVQ_REQUIRE(static_cast<int>(v.size()) == c.n_layers, kIo, source_, ": ", pk, " has ",
+                    v.size(), " entries for ", c.n_layers, " layers");
+        for (int l = 0; l < c.n_layers; ++l) c.layer_sliding[static_cast<size_t>(l)] = v[static_cast<size_t>(l)] != 0;
+      } else {  // every `period`-th layer global (llama.cpp's set_swa_pattern)
+        const int period = static_cast<int>(f.get_int_or(pk, 6, 1, 1 << 12));
+        for (int l = 0; l < c.n_layers; ++l)
+          c.layer_sliding[static_cast<size_t>(l)] = period > 1 && l % period < period - 1;
       }
     }
   }
@@ -357,9 +504,11 @@ inline std::vector<std::string> read_text_lines_stripped(const std::string& path
 /// otherwise), cut to options.max_seq_len tokens (0: 512, clamped to the model's max_tokens);
 /// positions 1..n-1 are predicted. KL against options.reference / reference_trace as in
 /// llama2c.hpp's evaluate_text (same options and result types).
-inline EvalResult evaluate_text(LlamaGgufModel& model, const BpeTokenizer& tokenizer,
-                                KVBackend& backend, const std::vector<std::string>& lines,
-                                const EvalOptions& options = {}) {
+/// `tokenizer`: BpeTokenizer, SpmTokenizer or GgufTokenizer (eval/gguf_tokenizer.hpp; a
+/// Gemma GGUF says add_bos_token, so its lines start with BOS and the 512 include it).
+template <class Tokenizer>
+EvalResult evaluate_text(LlamaGgufModel& model, const Tokenizer& tokenizer, KVBackend& backend,
+                         const std::vector<std::string>& lines, const EvalOptions& options = {}) {
   using Clock = std::chrono::steady_clock;
   const auto seconds_since = [](Clock::time_point t0) {
     return std::chrono::duration<double>(Clock::now() - t0).count();

@@ -108,6 +108,10 @@ class SimulatedBackend final : public eval::KVBackend {
   void attend(int layer, int pos, const float* q, int n_heads, float* out) override {
     fp_.attend(layer, pos, q, n_heads, out);
   }
+  void attend_window(int layer, int pos, const float* q, int n_heads, float* out,
+                     int window) override {
+    fp_.attend_window(layer, pos, q, n_heads, out, window);
+  }
 
   /// Bytes a cache under this rule would hold now: packed groups plus f32 for the rest.
   std::size_t bytes() const {

@@ -120,10 +120,12 @@ void attend_impl(Workspace& ws, Problem& P, KVView<const float> q, KVView<float>
   run_units<S>(P, ws, out, opt);
 }
 
-/// Validates the call and the segments (in order, covering [0, T), matching shapes).
+/// Validates the call and the segments (in order, covering [0, T), matching shapes). With a
+/// sliding window the segments may skip tokens that no query's window reaches (a layer that
+/// released its oldest pages, KVCache::release_before).
 inline void check_call(const std::vector<CacheSegment>& segs, int64_t T, int64_t H, int64_t D,
                        KVView<const float> q, KVView<float> out, bool causal,
-                       const RopeConfig* rope, int layer) {
+                       const RopeConfig* rope, int layer, int64_t window = 0) {
   const int64_t nq = q.tokens(), nh = q.heads();
   KVQ_REQUIRE(q.head_dim() == D, kShapeMismatch, "attend: queries have head_dim ", q.head_dim(),
               " but the cache has ", D);
@@ -139,9 +141,16 @@ inline void check_call(const std::vector<CacheSegment>& segs, int64_t T, int64_t
   KVQ_REQUIRE(rope == nullptr || D % 2 == 0, kInvalidArgument,
               "attend: RoPE needs an even head_dim, got ", D);
   int64_t pos = 0;
+  // The first position any query's window reaches (0 without a window): segments may leave
+  // out tokens before it.
+  const int64_t first_seen = window > 0 ? std::max<int64_t>(0, (causal ? T - nq : T - 1) - window + 1) : 0;
   for (const CacheSegment& s : segs) {
-    KVQ_REQUIRE(s.begin == pos && s.end > s.begin, kInvalidArgument, "attend: segment [", s.begin,
-                ", ", s.end, ") does not continue at token ", pos);
+    KVQ_REQUIRE(s.end > s.begin && (s.begin == pos || (s.begin > pos && s.begin <= first_seen)),
+                kInvalidArgument, "attend: segment [", s.begin, ", ", s.end,
+                ") does not continue at token ", pos,
+                window > 0 ? " (with the window, only tokens before the first query's window may be "
+                             "missing)"
+                           : "");
     const Shape want{s.end - s.begin, H, D};
     if (s.packed()) {
       KVQ_REQUIRE(s.key_view.shape == want && s.value_view.shape == want &&
@@ -179,7 +188,7 @@ inline
     attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D, KVView<const float> q,
                     KVView<float> out, bool causal, const RopeConfig* rope,
                     const AttentionOptions& opt, int layer) {
-  check_call(ws.segs, T, H, D, q, out, causal, rope, layer);
+  check_call(ws.segs, T, H, D, q, out, causal, rope, layer, opt.window);
   const int64_t nq = q.tokens();
   if (nq == 0) return;
   decode_unsupported(ws);
@@ -187,6 +196,8 @@ inline
               opt.threads);
   KVQ_REQUIRE(opt.split_tokens >= 0, kInvalidArgument,
               "attend: split_tokens must be >= 0 (0 = default), got ", opt.split_tokens);
+  KVQ_REQUIRE(opt.window >= 0, kInvalidArgument,
+              "attend: window must be >= 0 (0 = none), got ", opt.window);
   Problem P;
   P.T = T;
   P.H = H;
@@ -195,6 +206,7 @@ inline
   P.nh = q.heads();
   P.G = P.nh / H;
   P.causal = causal;
+  P.window = opt.window;
   P.rope = rope;
   P.split = opt.split_tokens > 0 ? opt.split_tokens : kDefaultSplit;
   P.nchunks = (T + P.split - 1) / P.split;

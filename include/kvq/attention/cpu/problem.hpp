@@ -43,6 +43,10 @@ struct AttentionOptions {
   /// Tokens per independently processed chunk (flash-decoding split); 0 = 4096. Results depend
   /// on the split (floating-point order), never on `threads`.
   int64_t split_tokens = 0;
+  /// Sliding window (0 = none): the query at position p sees only the tokens at positions
+  /// (p - window, p] (with causal; without, the window ends at the last token). Gemma's local
+  /// layers; tiles wholly before every query's window are skipped.
+  int64_t window = 0;
   /// Caller-supplied parallel-for (optional).
   ParallelFor parallel_for;
 };
@@ -181,6 +185,7 @@ inline constexpr SoftmaxExp softmax_exp{};
 struct Problem {
   int64_t T = 0, H = 0, D = 0, nq = 0, nh = 0, G = 0;
   bool causal = true;
+  int64_t window = 0;  // AttentionOptions::window
   const RopeConfig* rope = nullptr;
   int64_t split = kDefaultSplit, nchunks = 0, nqb = 0;
   const detail::LloydMaxContext* k_ctx = nullptr;  // Lloyd-Max keys (query rotation)

@@ -31,13 +31,16 @@ void Unit<S>::tile(const CacheSegment& seg, const Stream& ks, const Stream& vs, 
     const int64_t i = i0_ + r / P_.G;
     const int64_t last = P_.causal ? P_.T - P_.nq + i : P_.T - 1;  // last visible position
     const int64_t nv = std::min(n, last - t0 + 1);
+    // first visible entry of the tile (sliding window)
+    const int64_t lo = P_.window > 0 ? std::max<int64_t>(0, last - P_.window + 1 - t0) : 0;
     float* s = sc + r * kTile;
     const std::size_t st = static_cast<std::size_t>(h * R + r);
-    if (nv <= 0) {  // this query sees none of the tile
+    if (nv <= lo) {  // this query sees none of the tile
       std::fill(s, s + kTile, 0.f);
       continue;
     }
     std::fill(s + nv, s + kTile, -std::numeric_limits<float>::infinity());
+    std::fill(s, s + lo, -std::numeric_limits<float>::infinity());
     float mx;
     {
       auto mv = S::load(s);

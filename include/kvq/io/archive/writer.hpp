@@ -290,6 +290,10 @@ class ArchiveWriter {
                 kInvalidArgument, "ArchiveWriter::", what,
                 ": this cache is not the one the archive was opened on (policy or shape differ)");
     for (int l = 0; l < policy_layers_; ++l) {
+      KVQ_REQUIRE(cache.released_tokens(l) == 0, kUnsupported, "ArchiveWriter::", what,
+                  ": layer ", l, " released its first ", cache.released_tokens(l),
+                  " tokens (sliding window, KVCache::release_before); an archive holds whole "
+                  "sequences");
       const std::size_t w = written_[static_cast<std::size_t>(l)].size();
       KVQ_REQUIRE(static_cast<std::size_t>(cache.page_table(l).n_pages) >= w, kInvalidArgument,
                   "ArchiveWriter::", what, ": layer ", l, " holds ", cache.page_table(l).n_pages,
