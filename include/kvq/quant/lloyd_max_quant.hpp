@@ -46,24 +46,45 @@ namespace kvq {
 
 namespace detail {
 
+/// Largest head_dim a QJL config may use: its sign matrix S is head_dim x head_dim floats
+/// (64 MiB at this cap), built once per (head_dim, bits, seed) and kept for the process.
+inline constexpr int64_t kMaxQjlHeadDim = 4096;
+/// Bounds of the process-wide context registry below, so that hostile input (archives or specs
+/// naming ever new seeds) cannot grow it without limit: at most this many distinct
+/// (head_dim, bits, seed) contexts, and at most this many bytes of QJL matrices in all.
+inline constexpr std::size_t kMaxLloydMaxContexts = 4096;
+inline constexpr uint64_t kMaxQjlRegistryBytes = uint64_t{1} << 30;
+
+/// Bytes a context of head_dim d holds (rotation signs, norms; the codebook is shared per
+/// (d, bits)), without and with its QJL matrix: what a reader adds to its memory bound.
+inline uint64_t lloyd_max_context_bytes(int64_t d, bool qjl) {
+  const auto ud = static_cast<uint64_t>(d);
+  return 512 + 16 * ud + (qjl ? 4 * ud * ud : 0);
+}
+
 /// Everything derived from (d, bits, seed): built once per process and never freed, so a
-/// pointer to it stays valid (kernels may cache it per layer config).
+/// pointer to it stays valid (kernels may cache it per layer config). The QJL matrix is built
+/// on first use (qjl_matrix()), so a context of a non-QJL config costs O(d) bytes.
 struct LloydMaxContext {
   int dim;
   int bits;
   uint64_t seed;
   Rotation rotation;
   const Codebook* codebook;
-  std::vector<float> qjl;  ///< S, [d, d] row-major, N(0, 1) entries (built with the context)
 
   LloydMaxContext(int d, int b, uint64_t s)
       : dim(d), bits(b), seed(s), rotation(Rotation::hadamard(d, s)),
-        codebook(&lloyd_max_sphere(d, b)) {
-    Xoshiro256ss rng(s ^ 0x51a9c0ffee123457ULL);
-    qjl.resize(static_cast<std::size_t>(d) * static_cast<std::size_t>(d));
-    for (auto& v : qjl) v = static_cast<float>(rng.normal());
-  }
+        codebook(&lloyd_max_sphere(d, b)) {}
   bool is(int d, int b, uint64_t s) const { return dim == d && bits == b && seed == s; }
+
+  /// S, [d, d] row-major, N(0, 1) entries drawn from the seed; built (thread-safely) on the
+  /// first call. Throws kUnsupported beyond kMaxQjlHeadDim and kOutOfRange when the registry's
+  /// QJL budget (kMaxQjlRegistryBytes) is spent.
+  const float* qjl_matrix() const;
+
+ private:
+  mutable std::once_flag qjl_once_;
+  mutable std::vector<float> qjl_;
 };
 
 /// The process-wide registry of contexts. Lookups of a context that exists are lock-free: the
@@ -75,10 +96,43 @@ struct LloydMaxRegistry {
   std::mutex mu;  ///< guards `all` and publication into `slots`
   std::map<std::tuple<int, int, uint64_t>, std::unique_ptr<LloydMaxContext>> all;
   std::array<std::atomic<const LloydMaxContext*>, kSlots> slots{};
+  std::atomic<uint64_t> qjl_bytes{0};  ///< bytes of QJL matrices built so far
 };
 inline LloydMaxRegistry& lloyd_max_registry() {
   static LloydMaxRegistry r;
   return r;
+}
+
+/// Contexts and QJL bytes the registry holds (tests check the bounds hold on hostile input).
+struct LloydMaxRegistryStats {
+  std::size_t contexts = 0;
+  uint64_t qjl_bytes = 0;
+};
+inline LloydMaxRegistryStats lloyd_max_registry_stats() {
+  LloydMaxRegistry& r = lloyd_max_registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return {r.all.size(), r.qjl_bytes.load()};
+}
+
+inline const float* LloydMaxContext::qjl_matrix() const {
+  std::call_once(qjl_once_, [this] {
+    KVQ_REQUIRE(dim <= kMaxQjlHeadDim, kUnsupported, "QJL needs a head_dim x head_dim sign matrix; "
+                "head_dim ", dim, " exceeds kvq's QJL limit of ", kMaxQjlHeadDim);
+    const uint64_t bytes = 4 * static_cast<uint64_t>(dim) * static_cast<uint64_t>(dim);
+    LloydMaxRegistry& r = lloyd_max_registry();
+    uint64_t have = r.qjl_bytes.load();
+    do {
+      KVQ_REQUIRE(have + bytes <= kMaxQjlRegistryBytes, kOutOfRange,
+                  "QJL matrix for head_dim ", dim, ", seed ", seed, " (", bytes,
+                  " bytes): the process already holds ", have, " bytes of QJL matrices, and kvq's "
+                  "limit is ", kMaxQjlRegistryBytes, " (distinct seeds each build one)");
+    } while (!r.qjl_bytes.compare_exchange_weak(have, have + bytes));
+    std::vector<float> m(static_cast<std::size_t>(bytes / 4));
+    Xoshiro256ss rng(seed ^ 0x51a9c0ffee123457ULL);
+    for (auto& v : m) v = static_cast<float>(rng.normal());
+    qjl_ = std::move(m);
+  });
+  return qjl_.data();
 }
 
 inline const LloydMaxContext& lloyd_max_context(int d, int bits, uint64_t seed) {
@@ -89,17 +143,21 @@ inline const LloydMaxContext& lloyd_max_context(int d, int bits, uint64_t seed) 
     if (c->is(d, bits, seed)) return *c;
   }
   std::lock_guard<std::mutex> lock(r.mu);
-  auto& owned = r.all[{d, bits, seed}];
-  if (!owned) {
-    owned = std::make_unique<LloydMaxContext>(d, bits, seed);
+  const auto key = std::make_tuple(d, bits, seed);
+  auto it = r.all.find(key);
+  if (it == r.all.end()) {
+    KVQ_REQUIRE(r.all.size() < kMaxLloydMaxContexts, kOutOfRange, "rotate-then-Lloyd-Max context (head_dim ",
+                d, ", ", bits, " bits, seed ", seed, "): the process already holds ", r.all.size(),
+                " distinct contexts, kvq's limit (each distinct seed builds one)");
+    it = r.all.emplace(key, std::make_unique<LloydMaxContext>(d, bits, seed)).first;
     for (auto& slot : r.slots) {  // publish (writers hold the mutex)
       if (slot.load(std::memory_order_relaxed) == nullptr) {
-        slot.store(owned.get(), std::memory_order_release);
+        slot.store(it->second.get(), std::memory_order_release);
         break;
       }
     }
   }
-  return *owned;
+  return *it->second;
 }
 
 inline void check_lloyd_max(const QuantConfig& cfg, const Shape& s) {
@@ -115,6 +173,9 @@ inline void check_lloyd_max(const QuantConfig& cfg, const Shape& s) {
               kUnsupported, "rotate-then-Lloyd-Max needs a head_dim with a Hadamard rotation ",
               "(a power of two, or m * 2^k with 2^k >= 8, m odd, 1 < m <= 2^k); got head_dim ",
               s.head_dim, " in ", s.str());
+  KVQ_REQUIRE(!cfg.qjl || s.head_dim <= kMaxQjlHeadDim, kUnsupported, "QJL needs a head_dim x ",
+              "head_dim sign matrix; head_dim ", s.head_dim, " exceeds kvq's QJL limit of ",
+              kMaxQjlHeadDim, " in ", s.str());
 }
 
 /// sum a[i] * b[i] in double with eight interleaved partial sums (element i goes to sum i % 8),
@@ -152,6 +213,7 @@ void quantize_lloyd_max(const QuantConfig& cfg, const KVView<const T>& x, const 
   const int D = static_cast<int>(s.head_dim);
   const auto& ctx = detail::lloyd_max_context(D, cfg.bits, cfg.seed);
   const auto ud = static_cast<std::size_t>(D);
+  const float* S = cfg.qjl ? ctx.qjl_matrix() : nullptr;  // built (or refused) before any write
   float* buf = QuantWorkspace::at_least(ws.buf, ud);
   float* u = QuantWorkspace::at_least(ws.u, ud);
   float* r = QuantWorkspace::at_least(ws.r, ud);
@@ -185,7 +247,7 @@ void quantize_lloyd_max(const QuantConfig& cfg, const KVView<const T>& x, const 
         detail::store_meta(q.qjl_norms, cfg.meta, v,
                            static_cast<float>(std::sqrt(static_cast<double>(detail::dot_f(r, r, D)))));
         for (int i = 0; i < D; ++i)
-          signs[i] = detail::dot_f(ctx.qjl.data() + static_cast<std::size_t>(i) * ud, r, D) >= 0.f;
+          signs[i] = detail::dot_f(S + static_cast<std::size_t>(i) * ud, r, D) >= 0.f;
         pack_bits(signs, ud, 1, q.qjl_signs, v * ud);
       }
     }
@@ -204,9 +266,10 @@ inline void lloyd_max_rotated(const PackedView& q, const detail::LloydMaxContext
     unpack_bits(q.qjl_signs, static_cast<std::size_t>(D), 1, code_buf,
                 v * static_cast<std::size_t>(D));
     const float c = q.qjl_norm(v) * static_cast<float>(std::sqrt(M_PI / 2.0) / D);
+    const float* S = ctx.qjl_matrix();
     for (int j = 0; j < D; ++j) {
       const float sj = code_buf[j] ? c : -c;
-      const float* srow = ctx.qjl.data() + static_cast<std::size_t>(j) * D;
+      const float* srow = S + static_cast<std::size_t>(j) * D;
       for (int i = 0; i < D; ++i) out[i] += sj * srow[i];
     }
   }

@@ -21,7 +21,7 @@ void attend_impl(Workspace& ws, Problem& P, KVView<const float> q, KVView<float>
   ws.ks.resize(ws.segs.size());
   ws.vs.resize(ws.segs.size());
   P.k_ctx = P.v_ctx = nullptr;
-  P.k_qjl = false;
+  P.k_qjl = P.v_qjl = false;
   for (std::size_t i = 0; i < ws.segs.size(); ++i) {
     const CacheSegment& s = ws.segs[i];
     Stream& ks = ws.ks[i];
@@ -41,6 +41,7 @@ void attend_impl(Workspace& ws, Problem& P, KVView<const float> q, KVView<float>
                     kInvalidArgument, "attend: Lloyd-Max value segments use different seeds");
         P.v_seed = s.value_view.config.seed;
         P.v_ctx = vs.ctx;
+        P.v_qjl = P.v_qjl || vs.qjl;
       }
     } else {
       ks = Stream();
@@ -76,8 +77,9 @@ void attend_impl(Workspace& ws, Problem& P, KVView<const float> q, KVView<float>
         const float* qr = ws.qrot.data() + v * D;
         float* o = ws.sq.data() + v * D;
         double tot = 0;
+        const float* qjl_s = P.k_ctx->qjl_matrix();
         for (int64_t j = 0; j < D; ++j) {
-          o[j] = detail::dot_f(P.k_ctx->qjl.data() + j * D, qr, D);
+          o[j] = detail::dot_f(qjl_s + j * D, qr, D);
           tot += o[j];
         }
         ws.sqsum[static_cast<std::size_t>(v)] = static_cast<float>(tot);

@@ -190,7 +190,8 @@ struct Problem {
   int64_t split = kDefaultSplit, nchunks = 0, nqb = 0;
   const detail::LloydMaxContext* k_ctx = nullptr;  // Lloyd-Max keys (query rotation)
   const detail::LloydMaxContext* v_ctx = nullptr;  // Lloyd-Max values (output rotation)
-  bool k_qjl = false;
+  bool k_qjl = false;  // some key segment carries QJL signs
+  bool v_qjl = false;  // some value segment carries QJL signs (the output needs S^T)
   uint64_t k_seed = 0, v_seed = 0;
 };
 

@@ -350,9 +350,10 @@ inline void decode_row(const Stream& st, const uint8_t* row, const uint8_t* sg, 
     if (st.lm) {
       const auto& ctx = *st.ctx;
       if (st.qjl) {
+        const float* qjl_s = ctx.qjl_matrix();
         for (int64_t jj = 0; jj < D; ++jj) {
           const float c = sg[jj] ? qn[t] : -qn[t];
-          const float* srow = ctx.qjl.data() + jj * D;
+          const float* srow = qjl_s + jj * D;
           for (int64_t i = 0; i < D; ++i) out[i] += c * srow[i];
         }
       }

@@ -332,11 +332,14 @@ class Unit {
           const float* sa = row_acc(sc_.sacc.data(), h, r);
           const float c0 = sc_.sconst[st];
           const auto& ctx = *P_.v_ctx;
-          for (int64_t j = 0; j < D; ++j) {
-            const float cj = sa[j] - c0;
-            if (cj == 0.f) continue;
-            const float* srow = ctx.qjl.data() + j * D;
-            for (int64_t i = 0; i < D; ++i) ar[i] += cj * srow[i];
+          if (P_.v_qjl) {  // S is built on first use: never for a non-QJL config
+            const float* qjl_s = ctx.qjl_matrix();
+            for (int64_t j = 0; j < D; ++j) {
+              const float cj = sa[j] - c0;
+              if (cj == 0.f) continue;
+              const float* srow = qjl_s + j * D;
+              for (int64_t i = 0; i < D; ++i) ar[i] += cj * srow[i];
+            }
           }
           ctx.rotation.apply_inverse(ar);
           for (int64_t i = 0; i < D; ++i) acc[i] += ar[i];

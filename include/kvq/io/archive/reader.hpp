@@ -3,6 +3,10 @@
 /// Reading archives (part of kvq/io/archive.hpp): parsing and validating the header, trailer,
 /// footer and index, reading and checking records, restoring a KVCache, salvage messages;
 /// ArchiveReader.
+#include <set>
+#include <tuple>
+
+#include "kvq/quant/lloyd_max_quant.hpp"
 #include "kvq/io/archive/codec.hpp"
 
 namespace kvq {
@@ -247,11 +251,22 @@ inline ArchiveInfo parse_archive(const Source& src, const std::string& name,
   const uint64_t row = static_cast<uint64_t>(Hk) * static_cast<uint64_t>(D);
   uint64_t construct = static_cast<uint64_t>(L) * (::kvq::detail::KVCacheAccess::layer_struct_bytes() + 256);
   info.layers.resize(static_cast<std::size_t>(L));
+  // Rotate-then-Lloyd-Max contexts the cache will build (one per distinct bits and seed; a QJL
+  // one holds a head_dim x head_dim matrix): counted in the bound below.
+  std::set<std::tuple<int, uint64_t, bool>> lm_contexts;
+  uint64_t lm_bytes = 0;
   for (int l = 0; l < L; ++l) {
     ArchiveLayer& A = info.layers[static_cast<std::size_t>(l)];
     try {
       const QuantConfig kc = ::kvq::detail::streaming_config(p.key_for(l, L));
       const QuantConfig vc = ::kvq::detail::streaming_config(p.value_for(l, L));
+      for (const QuantConfig* c : {&kc, &vc}) {
+        if (c->format != Format::kLloydMax) continue;
+        KVQ_REQUIRE(!c->qjl || D <= ::kvq::detail::kMaxQjlHeadDim, kUnsupported, "QJL keys at head_dim ",
+                    D, " exceed kvq's QJL limit of ", ::kvq::detail::kMaxQjlHeadDim);
+        if (lm_contexts.insert({c->bits, c->seed, c->qjl}).second)
+          lm_bytes += ::kvq::detail::lloyd_max_context_bytes(D, c->qjl);
+      }
       A.block_tokens = ::kvq::detail::stream_block_tokens(kc, vc);
       KVQ_REQUIRE(static_cast<double>(A.block_tokens) * static_cast<double>(row) * 4.0 <=
                       static_cast<double>(kMaxPageBytes),
@@ -270,6 +285,7 @@ inline ArchiveInfo parse_archive(const Source& src, const std::string& name,
                                         16 * static_cast<uint64_t>(A.block_tokens) * row +
                                         2 * static_cast<uint64_t>(A.layout.bytes));
   }
+  construct += lm_bytes;
   const uint64_t limit = opt.max_cache_bytes ? opt.max_cache_bytes
                                              : std::max<uint64_t>(uint64_t{64} << 20, 16 * size);
   KVQ_REQUIRE(construct <= limit, kIo, hdr, ": the cache it declares (", L, " layers of ", Hk,
