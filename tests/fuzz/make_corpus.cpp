@@ -134,6 +134,7 @@ void policy_seeds() {
   spec("f32,k@0=int2/channel/g32,skip=0:1");
   spec(" k = bf16 , v = int3/head/g8 , residual = 0 ");
   spec("int4/channel/g32");
+  spec("k=nvfp4,v=mxfp4,k@1=e4m3/head,v@1=nvfp4");
 }
 
 void dump_seeds() {
