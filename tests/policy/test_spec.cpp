@@ -390,6 +390,13 @@ TEST(Spec, Fp4TermsParseAndRoundTrip) {
   c = kvq::fp4_config(Format::kNvfp4, 0.f);
   EXPECT_THROW(kvq::validate_config(c, "key", false), kvq::Error);
   EXPECT_NO_THROW(kvq::validate_config(kvq::fp4_config(Format::kNvfp4, 0.25f), "key", false));
+  // The metadata type does not apply to FP4 (byte scales): a hand-built f32meta config is
+  // written and compared as the bare term.
+  c = kvq::fp4_config(Format::kMxfp4);
+  c.meta = kvq::MetaDType::kF32;
+  EXPECT_EQ(kvq::config_spec(c), "mxfp4");
+  EXPECT_EQ(c.name(), "mxfp4");
+  EXPECT_TRUE(kvq::same_config(kvq::parse_quant_config(kvq::config_spec(c)), c));
 }
 
 // Random mutations of valid specs: parsing must succeed (and then round-trip through spec())

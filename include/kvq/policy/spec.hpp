@@ -283,7 +283,7 @@ inline std::string config_spec(const QuantConfig& c) {
   } else if (c.outliers > 0) {
     s += "/out" + std::to_string(c.outliers);
   }
-  if (c.meta == MetaDType::kF32) s += "/f32meta";
+  if (c.meta == MetaDType::kF32 && !is_fp4(c.format)) s += "/f32meta";  // FP4: byte scales
   return s;
 }
 

@@ -124,7 +124,7 @@ struct QuantConfig {
     } else if (outliers > 0) {
       s += "/out" + std::to_string(outliers);
     }
-    if (meta == MetaDType::kF32) s += "/f32meta";
+    if (meta == MetaDType::kF32 && !is_fp4(format)) s += "/f32meta";  // FP4: byte scales
     return s;
   }
 };
