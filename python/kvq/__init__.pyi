@@ -52,6 +52,10 @@ class QuantConfig:
             f32meta: bool = False) -> QuantConfig:
         """Scaled FP8, one scale per token / head / tensor group (group 0: whole extent)."""
     @staticmethod
+    def fp4(format: Literal["nvfp4", "mxfp4"] = "nvfp4", tensor_scale: float = 1.0) -> QuantConfig:
+        """FP4 blocks along head_dim: nvfp4 (e2m1 + e4m3 scale per 16, fp32 tensor decode scale)
+        or mxfp4 (e2m1 + e8m0 scale per 32; no tensor scale)."""
+    @staticmethod
     def raw(format: Literal["f32", "f16", "bf16"]) -> QuantConfig:
         """Unquantized storage."""
     @staticmethod
@@ -59,7 +63,7 @@ class QuantConfig:
         """Rotate + Lloyd-Max codebook (1..4 bits) with a per-vector norm; qjl adds the residual."""
     @property
     def format(self) -> str:
-        """f32, f16, bf16, int, sint, e4m3, e5m2 or lm."""
+        """f32, f16, bf16, int, sint, e4m3, e5m2, lm, nuq, nvfp4 or mxfp4."""
     @property
     def bits(self) -> int: ...
     @property
@@ -74,6 +78,9 @@ class QuantConfig:
         """Metadata storage: f16 or f32."""
     @property
     def fp8_margin(self) -> float: ...
+    @property
+    def fp4_tensor_scale(self) -> float:
+        """nvfp4: the per-tensor fp32 decode scale (1.0 unless calibrated)."""
     @property
     def qjl(self) -> bool: ...
     @property

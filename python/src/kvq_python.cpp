@@ -616,6 +616,20 @@ NB_MODULE(KVQ_PY_MODULE, m) {
           },
           "format"_a = "e4m3", "axis"_a = "head", "group"_a = 0, "f32meta"_a = false)
       .def_static(
+          "fp4",
+          [](const std::string& fmt, float tensor_scale) {
+            KVQ_REQUIRE(fmt == "nvfp4" || fmt == "mxfp4", kInvalidArgument,
+                        "QuantConfig.fp4: format must be nvfp4 or mxfp4, got '", fmt, "'");
+            KVQ_REQUIRE(fmt == "nvfp4" || tensor_scale == 1.0f, kInvalidArgument,
+                        "QuantConfig.fp4: mxfp4 has no tensor scale (its block scales are "
+                        "powers of two), got tensor_scale=", tensor_scale);
+            kvq::QuantConfig c = kvq::fp4_config(
+                fmt == "nvfp4" ? kvq::Format::kNvfp4 : kvq::Format::kMxfp4, tensor_scale);
+            kvq::validate_config(c, "QuantConfig.fp4", false);
+            return c;
+          },
+          "format"_a = "nvfp4", "tensor_scale"_a = 1.0f)
+      .def_static(
           "raw",
           [](const std::string& fmt) {
             KVQ_REQUIRE(fmt == "f32" || fmt == "f16" || fmt == "bf16", kInvalidArgument,
@@ -641,6 +655,7 @@ NB_MODULE(KVQ_PY_MODULE, m) {
       .def_ro("group", &kvq::QuantConfig::group)
       .def_prop_ro("meta", [](const kvq::QuantConfig& c) { return std::string(kvq::to_string(c.meta)); })
       .def_ro("fp8_margin", &kvq::QuantConfig::fp8_margin)
+      .def_ro("fp4_tensor_scale", &kvq::QuantConfig::fp4_tensor_scale)
       .def_ro("qjl", &kvq::QuantConfig::qjl)
       .def_ro("outliers", &kvq::QuantConfig::outliers)
       .def_ro("outlier_pct", &kvq::QuantConfig::outlier_pct)

@@ -179,6 +179,10 @@ def test_quant_config_builders_equal_parsed() -> None:
     assert kvq.QuantConfig.int(4, symmetric=True) == kvq.QuantConfig("sint4")
     assert kvq.QuantConfig.fp8("e5m2", "token") == kvq.QuantConfig("e5m2/token")
     assert kvq.QuantConfig.raw("bf16") == kvq.QuantConfig("bf16")
+    assert kvq.QuantConfig.fp4("mxfp4") == kvq.QuantConfig("mxfp4")
+    nv = kvq.QuantConfig.fp4("nvfp4")
+    assert nv == kvq.QuantConfig("nvfp4") and (nv.format, nv.group, nv.fp4_tensor_scale) == ("nvfp4", 16, 1.0)
+    assert kvq.QuantConfig.fp4("nvfp4", 0.5) != nv
     assert kvq.QuantConfig.lloyd_max(3, qjl=True) == kvq.QuantConfig("lm3/qjl")
     c = kvq.QuantConfig("int2/channel/g64/f32meta")
     assert (c.format, c.bits, c.axis, c.group, c.meta) == ("int", 2, "channel", 64, "f32")

@@ -38,6 +38,12 @@ TEST(Accountant, KnownValues) {
   QuantConfig f16;
   f16.format = Format::kF16;
   EXPECT_DOUBLE_EQ(kvq::effective_bits(f16, s), 16.0);
+  // FP4: e2m1 + one e4m3 byte per 16 (NVFP4) / one e8m0 byte per 32 (MXFP4); NVFP4's fp32
+  // tensor scale is per-layer metadata (4 bytes once per layer and K/V).
+  EXPECT_DOUBLE_EQ(kvq::effective_bits(kvq::fp4_config(Format::kNvfp4), s), 4.5);
+  EXPECT_DOUBLE_EQ(kvq::effective_bits(kvq::fp4_config(Format::kMxfp4), s), 4.25);
+  EXPECT_EQ(kvq::layer_metadata_bytes(kvq::fp4_config(Format::kNvfp4)), 4u);
+  EXPECT_EQ(kvq::layer_metadata_bytes(kvq::fp4_config(Format::kMxfp4)), 0u);
 }
 
 TEST(Accountant, BreakdownSumsToTotal) {
@@ -130,6 +136,14 @@ Expect independent_bytes(const QuantConfig& c, int64_t T, int64_t H, int64_t D) 
       e.norms = vecs * m;
       if (c.qjl) e.qjl = ceil8(n) + vecs * m;
       return e;
+    case Format::kNvfp4:
+    case Format::kMxfp4: {  // 4-bit e2m1 codes, one scale byte per block of 16 / 32 channels
+      const int64_t blk = c.format == Format::kNvfp4 ? 16 : 32;
+      e.ok = D % blk == 0;
+      e.codes = n / 2;
+      e.scales = n / static_cast<std::size_t>(blk);
+      return e;
+    }
     default: break;
   }
   int64_t boxes = 0, k = 0;
@@ -182,6 +196,7 @@ TEST(Accountant, IndependentFormulaEqualsTheBytesQuantizeFills) {
             }
         }
       }
+      for (Format f : {Format::kNvfp4, Format::kMxfp4}) cfgs.push_back(kvq::fp4_config(f));
       if (s.head_dim != 24)  // Lloyd-Max needs a Hadamard size
         for (int b = 1; b <= 4; ++b)
           for (bool qjl : {false, true}) {

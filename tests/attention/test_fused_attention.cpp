@@ -107,6 +107,7 @@ std::vector<std::string> key_formats() {
       for (const char* a : {"token/g32", "channel/g32", "head", "tensor"})
         f.push_back(std::string(s) + std::to_string(b) + "/" + a);
   for (int b = 1; b <= 4; ++b) f.push_back("lm" + std::to_string(b));
+  for (const char* e : {"nvfp4", "mxfp4"}) f.push_back(e);  // e2m1 through the 16-entry table
   return f;
 }
 
@@ -149,7 +150,9 @@ TEST(FusedAttention, ShapesGqaThreadsAndSegments) {
                          "k=int2/channel/g32,v=int2/token/g32,residual=32,sinks=4",
                          "k=e5m2/token,v=bf16,sinks=2",
                          // dense-and-sparse (the sparse step's gathers under the sanitizers)
-                         "k=int4/channel/g32/out2,v=e4m3/token/out1%,residual=32"};
+                         "k=int4/channel/g32/out2,v=e4m3/token/out1%,residual=32",
+                         // FP4 blocks of 16 / 32 channels (head_dim 8 and 40 cannot hold them)
+                         "k=nvfp4,v=mxfp4,sinks=2", "k=mxfp4,v=nvfp4,residual=16"};
   for (int64_t D : {64, 96, 128, 256, 40, 8})
     for (const char* spec : specs)
       for (int G : {1, 4, 8})
@@ -158,7 +161,8 @@ TEST(FusedAttention, ShapesGqaThreadsAndSegments) {
           const std::string sp(spec);
           // head_dim 8 and 40 (the AVX2 and narrow paths): no 32-channel groups, no Hadamard.
           if ((D == 8 || D == 40) &&
-              (sp.find("g32") != std::string::npos || sp.find("lm") != std::string::npos))
+              (sp.find("g32") != std::string::npos || sp.find("lm") != std::string::npos ||
+               sp.find("fp4") != std::string::npos))
             continue;
           const KVCache c = filled_cache(sp, T, H, D, 5 + static_cast<uint32_t>(D));
           for (int threads : {1, 2}) {
@@ -200,7 +204,9 @@ TEST(FusedAttention, PreRopeKeys) {
   half.theta = 500000.0;
   for (const char* spec : {"k=int2/channel/g32,v=int2/token/g32,residual=32,sinks=3",
                            "k=f16,v=f16", "k=lm3,v=lm4", "k=e4m3/token,v=int4/token/g32",
-                           "k=int3/token/g32,v=f32", "k=lm2/qjl,v=int8/head"})
+                           "k=int3/token/g32,v=f32", "k=lm2/qjl,v=int8/head",
+                           // FP4 keys decoded for RoPE (all-heads tiles: int4 values), FP4 values
+                           "k=nvfp4,v=int4/token/g32", "k=mxfp4,v=nvfp4,sinks=2"})
     for (int64_t D : {64, 128})
       for (const kvq::RopeConfig* rc : {&adj, &half}) {
         const KVCache c = filled_cache(spec, 150, 2, D, 3);

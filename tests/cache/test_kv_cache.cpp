@@ -691,6 +691,55 @@ TEST(KVCacheConstruction, BadGeometryAndPoliciesAreRejectedUpFront) {
                [] { KVCache(parse_policy("k=int5,v=f16"), 1, 2, 8); });
 }
 
+// FP4 layers stream like any token-axis format: blocks of the 16-token minimum, reads equal
+// quantize()/dequantize() of each block, bytes equal the accountant; head_dim must hold whole
+// FP4 blocks; values beyond fp16's range are accepted (no fp16 metadata: e2m1 saturates).
+TEST(KVCacheFp4, StreamsRefusesPartialBlocksAndKeepsNoFp16Limit) {
+  const Policy p = parse_policy("k=nvfp4,v=mxfp4,sinks=2,residual=8");
+  const int H = 2, D = 64, n = 100;
+  KVCache c(p, 1, H, D);
+  EXPECT_EQ(c.block_tokens(0), 16);
+  const auto kd = make_data(n, H, D, 31, false), vd = make_data(n, H, D, 32, false);
+  append_range(c, 0, kd, vd, 0, 37);
+  for (int t = 37; t < n; ++t) append_range(c, 0, kd, vd, t, 1);
+  const auto [k, v] = read_all(c, 0);
+  EXPECT_EQ(k, oracle(c, 0, kd, n, true));
+  EXPECT_EQ(v, oracle(c, 0, vd, n, false));
+  // e2m1 with a scale per 16 / 32: relative MSE about 1e-2 on Gaussian data with outliers.
+  EXPECT_LT(kvq_test::rel_mse(kd, k), 0.03);
+  EXPECT_LT(kvq_test::rel_mse(vd, v), 0.03);
+  const kvq::LayerMemory& lm = c.memory_report().layers[0];
+  const Shape block{16, H, D};
+  const std::size_t blocks = static_cast<std::size_t>((n - 2 - 8) / 16);
+  EXPECT_EQ(lm.key.packed.codes, blocks * kvq::account(c.key_config(0), block).codes);
+  EXPECT_EQ(lm.key.packed.scales, blocks * 16u * H * D / 16);
+  EXPECT_EQ(lm.value.packed.scales, blocks * 16u * H * D / 32);
+
+  auto expect_error = [](ErrorKind kind, const std::string& needle, auto&& f) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected: " << needle;
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.kind(), kind) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  KVCache(parse_policy("k=nvfp4,v=nvfp4"), 1, 2, 48);  // 16 divides 48
+  expect_error(ErrorKind::kShapeMismatch, "mxfp4 groups 32 channels, which does not divide head_dim 48",
+               [] { KVCache(parse_policy("k=f16,v=mxfp4"), 1, 2, 48); });
+  expect_error(ErrorKind::kShapeMismatch, "nvfp4 needs head_dim to be a multiple of its block of 16",
+               [] { KVCache(parse_policy("k=nvfp4,v=f16"), 1, 2, 8); });
+
+  KVCache big(parse_policy("k=nvfp4,v=mxfp4"), 1, H, D);
+  std::vector<float> kb(kd.begin(), kd.begin() + 16 * H * D), vb(vd.begin(), vd.begin() + 16 * H * D);
+  kb[5] = 70000.f;
+  vb[5] = -70000.f;
+  append_range(big, 0, kb, vb, 0, 16);
+  const auto [kr, vr] = read_all(big, 0);
+  EXPECT_EQ(kr[5], 2688.f);    // NVFP4 with tensor scale 1: 6 x e4m3's 448
+  EXPECT_EQ(vr[5], -65536.f);  // MXFP4: 2^(floor(log2 70000) - 2) = 2^14, times e2m1 4
+}
+
 TEST(KVCacheMisc, ClearAndUnboundedCapacity) {
   KVCache c(parse_policy("kivi4,sinks=2"), 2, 1, 8);
   const auto kd = make_data(1000, 1, 8, 1, false);

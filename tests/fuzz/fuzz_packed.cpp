@@ -4,7 +4,7 @@
 /// (an archive, an offloaded page) hands to the kernels.
 ///
 /// Input layout: 9 header bytes, then the payload.
-///   0 format (mod 8)     1 bits selector          2 flags: bit0 symmetric, bit1 f32 meta,
+///   0 format (mod 8; 240..255: nvfp4 even, mxfp4 odd)     1 bits selector          2 flags: bit0 symmetric, bit1 f32 meta,
 ///   3 group selector     4 tokens - 1 (mod 8)          bit2 qjl, bits 3-4 axis, bits 5-6
 ///                                                      outliers per vector (int/fp8/nuq)
 ///   5 heads - 1 (mod 2)  6 head_dim selector      7 seed selector   8 output kind
@@ -16,6 +16,8 @@
 ///     with dense-and-sparse outliers written over their positions (any position outside
 ///     head_dim must be refused with kvq::Error);
 ///   - raw formats decode to the stored values;
+///   - nvfp4 / mxfp4 decode to e2m1 value x block scale as reference/fp4_ref.hpp values them
+///     (nvfp4 with the tensor scale of the seed selector), for any code and scale byte;
 ///   - fp16 and bf16 outputs equal the f32 output rounded, a strided (HND) output equals the
 ///     contiguous one, and a token range decoded alone (dequantize_tokens) equals its rows;
 ///   - the output is finite wherever the format guarantees it: finite metadata (fp16, or f32
@@ -34,6 +36,7 @@
 #include "kvq/format/nuq.hpp"
 #include "kvq/policy/spec.hpp"
 #include "kvq/quant/quantize.hpp"
+#include "kvq/reference/fp4_ref.hpp"
 #include "kvq/reference/fp8_quant_ref.hpp"
 #include "kvq/reference/nuq_ref.hpp"
 #include "kvq/reference/uniform_ref.hpp"
@@ -96,7 +99,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 9) return 0;
   kvq::fuzz::ByteReader in(data, size);
   kvq::QuantConfig c;
-  c.format = static_cast<kvq::Format>(in.u8() % 8);
+  const uint8_t format_byte = in.u8();
+  c.format = static_cast<kvq::Format>(format_byte % 8);
+  if (format_byte >= 240) c.format = format_byte % 2 ? kvq::Format::kMxfp4 : kvq::Format::kNvfp4;
   const uint8_t bits_sel = in.u8();
   const uint8_t flags = in.u8();
   const uint8_t group_sel = in.u8();
@@ -104,7 +109,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   s.tokens = 1 + in.u8() % 8;
   s.heads = 1 + in.u8() % 2;
   s.head_dim = kHeadDims[in.u8() % (sizeof(kHeadDims) / sizeof(kHeadDims[0]))];
-  c.seed = kSeeds[in.u8() % 4];
+  const uint8_t seed_sel = in.u8();
+  c.seed = kSeeds[seed_sel % 4];
   const uint8_t out_kind = in.u8();
 
   static constexpr int kIntBits[] = {2, 3, 4, 8};
@@ -134,6 +140,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (int64_t g = 1; g <= extent; ++g)
     if (extent % g == 0) divisors.push_back(g);
   c.group = divisors[group_sel % divisors.size()];
+  if (kvq::is_fp4(c.format)) {  // the block is the format; head_dim must hold whole blocks
+    c.bits = 4;
+    c.axis = kvq::Axis::kToken;
+    c.group = kvq::fp4_block(c.format);
+    static constexpr float kTensorScales[] = {1.0f, 0.015625f, 3.0f, 1e-30f};
+    if (c.format == kvq::Format::kNvfp4) c.fp4_tensor_scale = kTensorScales[seed_sel % 4];
+  }
 
   try {  // validation, as kvq does it before it stores or reads a block
     if (c.format == kvq::Format::kNuq) {
@@ -199,6 +212,22 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         ref[static_cast<std::size_t>(v * D + d)] = kvq::half_bits_to_float(hb);
       }
     for (std::size_t i = 0; i < n; ++i) KVQ_FUZZ_CHECK(same_float(out[i], ref[i]));
+  }
+  if (kvq::is_fp4(c.format)) {  // value(code) x block scale, from the oracle's definitions
+    const auto blk = static_cast<std::size_t>(kvq::fp4_block(c.format));
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto code = static_cast<uint8_t>((q.codes[i / 2] >> (4 * (i % 2))) & 0xf);
+      const uint8_t sc = q.scales.raw()[i / blk];
+      float want;
+      if (c.format == kvq::Format::kMxfp4) {
+        want = static_cast<float>(kvq::reference::e2m1_value(code) * kvq::reference::e8m0_value(sc));
+      } else {
+        const float es = static_cast<float>(
+            kvq::reference::fp8_value(kvq::fp8::Fp8Kind::kE4M3, sc) * c.fp4_tensor_scale);
+        want = static_cast<float>(kvq::reference::e2m1_value(code) * es);
+      }
+      KVQ_FUZZ_CHECK(same_float(out[i], want));
+    }
   }
   if (c.is_raw()) {
     for (std::size_t i = 0; i < n; ++i) {
@@ -278,6 +307,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     case kvq::Format::kLloydMax:
       guaranteed = meta_bounded(q.norms) && meta_bounded(q.qjl_norms);
       break;
+    case kvq::Format::kNvfp4:
+    case kvq::Format::kMxfp4: {
+      // nvfp4: every e4m3 scale but the NaN encodings decodes finite (448 x 6 x g stays finite
+      // for the tensor scales used here); mxfp4: e8m0 codes up to 252, the largest the
+      // quantizer writes (6 x 2^125); 253 and 254 overflow to inf for the larger codes, 255 is NaN.
+      guaranteed = true;
+      for (uint8_t sc : q.scales.raw())
+        guaranteed = guaranteed && (c.format == kvq::Format::kMxfp4 ? sc <= 252
+                                                                    : (sc & 0x7f) != 0x7f);
+      break;
+    }
   }
   if (guaranteed) {
     for (float v : out) KVQ_FUZZ_CHECK(std::isfinite(v));

@@ -134,6 +134,7 @@ void policy_seeds() {
   spec("f32,k@0=int2/channel/g32,skip=0:1");
   spec(" k = bf16 , v = int3/head/g8 , residual = 0 ");
   spec("int4/channel/g32");
+  spec("k=nvfp4,v=mxfp4,k@1=e4m3/head,v@1=nvfp4");
 }
 
 void dump_seeds() {
@@ -191,6 +192,8 @@ void packed_seeds() {
       {"e4m3_token_out1", "e4m3/token", 2, 1, 5, 3, 1},
       {"nuq3_token_g8", "int3/token/g8", 2, 1, 5, 0, 0, 3},
       {"nuq2_channel_g4_out3_f32meta", "int2/channel/g4/f32meta", 4, 2, 7, 2, 3, 2},
+      {"nvfp4", "nvfp4", 2, 2, 9, 1},
+      {"mxfp4", "mxfp4", 2, 1, 9, 3},
   };
   const int64_t dims[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32};
   for (const Case& cs : cases) {
@@ -238,7 +241,11 @@ void packed_seeds() {
       for (int64_t g = 1; g < c.group; ++g)
         if (extent % g == 0) ++sel;
     }
-    std::vector<uint8_t> b = {static_cast<uint8_t>(c.format),
+    // (FP4 format bytes: 240 nvfp4, 241 mxfp4; their bits, axis and group are implied.)
+    const uint8_t format_byte = c.format == kvq::Format::kNvfp4   ? 240
+                                : c.format == kvq::Format::kMxfp4 ? 241
+                                                                  : static_cast<uint8_t>(c.format);
+    std::vector<uint8_t> b = {format_byte,
                               bits_sel,
                               flags,
                               static_cast<uint8_t>(sel),

@@ -204,6 +204,11 @@ std::vector<Case> round_trip_cases(int L, int H, int D) {
   seeded.value.seed = 987654321987ull;
   seeded.key.fp8_margin = 0.75f;
   c.push_back({"turbo4 with custom seeds", seeded, 77});
+  // FP4: e2m1 codes and byte block scales; NVFP4's tensor scale travels in the config record.
+  c.push_back({"k=nvfp4,v=mxfp4,residual=8,sinks=2", kvq::parse_policy("k=nvfp4,v=mxfp4,residual=8,sinks=2"), 150});
+  kvq::Policy fp4_scaled = kvq::parse_policy("k=mxfp4,v=nvfp4");
+  fp4_scaled.value.fp4_tensor_scale = 0.0625f;
+  c.push_back({"nvfp4 values with tensor scale 1/16", fp4_scaled, 99});
   c.push_back({"calibrated nuq (k nuq3 channel, v nuq4 token)", nuq_policy(L, H, D), 150});
   c.push_back({"kivi2 empty", kvq::parse_policy("kivi2,sinks=4"), 0});
   c.push_back({"kivi2 sinks only", kvq::parse_policy("kivi2,sinks=8"), 5});
@@ -733,7 +738,7 @@ TEST(ArchiveCorruption, WrongMagicVersionEndiannessAndHostileFields) {
        "header"},
       {"sinks 3 in the policy", [](auto& b) { io::detail::put_i32(b.data() + 44, 3); }, kvq::ErrorKind::kIo,
        "policy spec"},
-      {"unknown format code", [](auto& b) { b[96 + 1] = 9; }, kvq::ErrorKind::kIo, "unknown format code"},
+      {"unknown format code", [](auto& b) { b[96 + 1] = 10; }, kvq::ErrorKind::kIo, "unknown format code"},
       {"key config int5", [](auto& b) { io::detail::put_i32(b.data() + 96 + 8, 5); }, kvq::ErrorKind::kIo,
        "invalid policy"},
       {"residual count beyond R + B - 1",

@@ -47,6 +47,9 @@ std::vector<std::pair<QuantConfig, QuantConfig>> pairs() {
       v.push_back(kvq::fp8_config(f, a, a == Axis::kToken ? 0 : 16));
   for (int b = 1; b <= 4; ++b)
     for (bool qjl : {false, true}) v.push_back(kvq::lm_config(b, qjl));
+  v.push_back(kvq::fp4_config(Format::kNvfp4));
+  v.push_back(kvq::fp4_config(Format::kMxfp4));
+  v.push_back(kvq::fp4_config(Format::kNvfp4, 0.125f));
   std::vector<std::pair<QuantConfig, QuantConfig>> out;
   for (std::size_t i = 0; i < v.size(); ++i) {
     QuantConfig val = v[(i * 7 + 3) % v.size()];
@@ -60,6 +63,8 @@ TEST(PageLayout, RegionsAlignedDisjointAndPageBytesEqualAccountantPlusPadding) {
   for (const auto& [k, v] : pairs())
     for (int64_t H : {1, 3, 8})
       for (int64_t D : {8, 64, 128}) {
+        // FP4 blocks need head_dim a multiple of 16 / 32 (refused otherwise: BadLayouts...).
+        if (D % 32 != 0 && (kvq::is_fp4(k.format) || kvq::is_fp4(v.format))) continue;
         const int64_t P = 32;
         const PageLayout L = kvq::make_page_layout(k, v, P, H, D);
         SCOPED_TRACE(k.name() + " / " + v.name() + " H=" + std::to_string(H) +
@@ -99,7 +104,15 @@ TEST(PageLayout, DocumentedPresetPages) {
   for (const Row& r : {Row{"f16", 16, 65536, 0, 32768}, Row{"fp8", 32, 65664, 96, 32832},
                        Row{"k8v4", 32, 53312, 48, 32832}, Row{"kivi2", 32, 24576, 0, 12288},
                        Row{"kivi4", 32, 40960, 0, 20480}, Row{"turbo3", 16, 12800, 0, 6400},
-                       Row{"turbo4", 16, 16896, 0, 8448}}) {
+                       Row{"turbo4", 16, 16896, 0, 8448},
+                       // FP4 (token-axis blocks: B = the 16-token minimum). nvfp4: 16 x 8 x 128
+                       // / 2 = 8192 code bytes + 16 x 8 x 8 = 1024 e4m3 scales = 9216 per
+                       // tensor; mxfp4: 8192 + 16 x 8 x 4 = 512 e8m0 scales = 8704.
+                       Row{"k=nvfp4,v=nvfp4", 16, 18432, 0, 9216},
+                       Row{"k=mxfp4,v=mxfp4", 16, 17408, 0, 8704},
+                       // e4m3/head streams 32-token blocks (as k8v4): K 32832 bytes (48 of
+                       // them padding), V 32 x 8 x 128 / 2 + 32 x 8 x 8 = 18432.
+                       Row{"k=e4m3/head,v=nvfp4", 32, 51264, 48, 32832}}) {
     const kvq::Policy p = kvq::parse_policy(r.preset);
     const QuantConfig k = kvq::detail::streaming_config(p.key);
     const QuantConfig v = kvq::detail::streaming_config(p.value);
@@ -181,7 +194,7 @@ TEST(PageLayout, QuantizePageRangesEqualQuantizeAndReadsEqualTheQTensorPath) {
     }
     ++checked;
   }
-  EXPECT_EQ(checked, 3 + 32 + 6 + 8);
+  EXPECT_EQ(checked, 3 + 32 + 6 + 8 + 3);
 }
 
 TEST(PageLayout, BadLayoutsAndRangesAreErrors) {
@@ -207,6 +220,19 @@ TEST(PageLayout, BadLayoutsAndRangesAreErrors) {
   bad.bits = 5;
   EXPECT_EQ(kind([&] { kvq::make_page_layout(bad, f16, 32, 8, 128); }),
             kvq::ErrorKind::kInvalidArgument);
+  // FP4 blocks must tile head_dim: nvfp4 on head_dim 24, mxfp4 on 48, refused naming it.
+  for (const auto& [c, D] : {std::pair{kvq::fp4_config(Format::kNvfp4), int64_t{24}},
+                             std::pair{kvq::fp4_config(Format::kMxfp4), int64_t{48}}}) {
+    try {
+      kvq::make_page_layout(f16, c, 32, 8, D);
+      ADD_FAILURE() << c.name() << " laid out on head_dim " << D;
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.kind(), kvq::ErrorKind::kShapeMismatch);
+      EXPECT_NE(std::string(e.what()).find("needs head_dim to be a multiple of its block"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   // Ranges must be granule-aligned and inside the page.
   const PageLayout L = kvq::make_page_layout(i4c, f16, 64, 2, 16);
   EXPECT_EQ(L.granule, 32);

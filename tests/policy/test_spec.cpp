@@ -216,7 +216,7 @@ TEST(Spec, ErrorMessagesNameTheTokenAndWhatWasExpected) {
     EXPECT_EQ(std::string(e.what()),
               "kvq: parse error: unknown format 'int5' in 'k=int5/channel' (expected one of "
               "f32, f16, bf16, e4m3, e5m2, int2, int3, int4, int8, sint2, sint3, sint4, sint8, "
-              "lm1, lm2, lm3, lm4, nuq2, nuq3, nuq4)");
+              "lm1, lm2, lm3, lm4, nuq2, nuq3, nuq4, nvfp4, mxfp4)");
   }
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"", "empty policy spec"},
@@ -336,6 +336,67 @@ TEST(Spec, OutlierPercentRoundTrips) {
     EXPECT_EQ(spec, tc.second) << tc.first;
     EXPECT_TRUE(kvq::same_config(kvq::parse_quant_config(spec), c)) << tc.first;
   }
+}
+
+// FP4 terms: nvfp4 / mxfp4 parse to the block formats of quant/fp4_quant.hpp and are written
+// bare (the block is part of the format); options they cannot take are parse errors naming the
+// option. Expected configs written by hand from the format definitions (16 / 32 channels).
+TEST(Spec, Fp4TermsParseAndRoundTrip) {
+  const kvq::QuantConfig nv = kvq::parse_quant_config("nvfp4");
+  EXPECT_EQ(nv.format, Format::kNvfp4);
+  EXPECT_EQ(nv.bits, 4);
+  EXPECT_EQ(nv.axis, Axis::kToken);
+  EXPECT_EQ(nv.group, 16);
+  EXPECT_EQ(nv.fp4_tensor_scale, 1.0f);
+  const kvq::QuantConfig mx = kvq::parse_quant_config("mxfp4");
+  EXPECT_EQ(mx.format, Format::kMxfp4);
+  EXPECT_EQ(mx.group, 32);
+  EXPECT_EQ(kvq::config_spec(nv), "nvfp4");
+  EXPECT_EQ(kvq::config_spec(mx), "mxfp4");
+  EXPECT_TRUE(kvq::same_config(nv, kvq::fp4_config(Format::kNvfp4)));
+  EXPECT_FALSE(kvq::same_config(nv, kvq::fp4_config(Format::kNvfp4, 0.5f)));
+  EXPECT_FALSE(kvq::same_config(nv, mx));
+  for (const char* spec : {"k=nvfp4,v=mxfp4", "k=e4m3/head,v=nvfp4,residual=32",
+                           "k=mxfp4,v=mxfp4,sinks=4,skip=1:1", "kivi4,v@0=nvfp4"}) {
+    const Policy p = parse_policy(spec);
+    EXPECT_EQ(parse_policy(p.spec()), p) << spec << " -> " << p.spec();
+  }
+  EXPECT_EQ(parse_policy("k=e4m3/head,v=nvfp4").spec(),
+            "k=e4m3/head,v=nvfp4,residual=0,sinks=0,skip=0:0");
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"k=nvfp4/token,v=f16", "format 'nvfp4' takes no axis ('token' in 'k=nvfp4/token')"},
+      {"k=mxfp4/channel,v=f16", "blocks of 32 channels along head_dim"},
+      {"k=nvfp4/g32,v=f16", "format 'nvfp4' takes no group size ('g32'"},
+      {"k=nvfp4/f32meta,v=f16", "stores its block scales as one e4m3 byte each"},
+      {"k=mxfp4/f32meta,v=f16", "one e8m0 byte each"},
+      {"k=nvfp4/out2,v=f16", "outliers apply to the int, fp8 and nuq formats, not 'nvfp4'"},
+      {"k=mxfp4/rot,v=f16", "format 'mxfp4' cannot rotate"},
+      {"k=nvfp4/qjl,v=f16", "format 'nvfp4' has no QJL residual"},
+      {"k=fp4,v=f16", "unknown format 'fp4'"},
+  };
+  for (const auto& [spec, needle] : bad) {
+    try {
+      parse_policy(spec);
+      ADD_FAILURE() << spec << " parsed";
+    } catch (const kvq::Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::kParse) << spec;
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  }
+  // Hand-built configs the grammar cannot express are refused by validation.
+  kvq::QuantConfig c = kvq::fp4_config(Format::kMxfp4);
+  c.group = 16;
+  EXPECT_THROW(kvq::validate_config(c, "key", false), kvq::Error);
+  c = kvq::fp4_config(Format::kNvfp4, 0.f);
+  EXPECT_THROW(kvq::validate_config(c, "key", false), kvq::Error);
+  EXPECT_NO_THROW(kvq::validate_config(kvq::fp4_config(Format::kNvfp4, 0.25f), "key", false));
+  // The metadata type does not apply to FP4 (byte scales): a hand-built f32meta config is
+  // written and compared as the bare term.
+  c = kvq::fp4_config(Format::kMxfp4);
+  c.meta = kvq::MetaDType::kF32;
+  EXPECT_EQ(kvq::config_spec(c), "mxfp4");
+  EXPECT_EQ(c.name(), "mxfp4");
+  EXPECT_TRUE(kvq::same_config(kvq::parse_quant_config(kvq::config_spec(c)), c));
 }
 
 // Random mutations of valid specs: parsing must succeed (and then round-trip through spec())

@@ -5,7 +5,8 @@
 /// these numbers equal QTensor::bytes() for every configuration the suite builds.
 ///
 /// Known values (group 32, fp16 metadata): int2 asymmetric 3.0 bits/value; sint4 4.5 (llama.cpp
-/// q4_0); sint8 8.5 (q8_0); int4 asymmetric 5.0 (q4_1).
+/// q4_0); sint8 8.5 (q8_0); int4 asymmetric 5.0 (q4_1). FP4: nvfp4 4.5 (4 + one e4m3 byte per
+/// 16, plus 4 bytes of tensor scale per layer), mxfp4 4.25 (4 + one e8m0 byte per 32).
 #include <cstdint>
 
 #include "kvq/core/bitpack.hpp"
@@ -36,10 +37,13 @@ inline ByteBreakdown account(const QuantConfig& cfg, const Shape& shape) {
 }
 
 /// Per-layer metadata of `cfg` that no block holds: a nuq codebook (4 * 2^bits bytes, stored
-/// once per layer and K/V in the config, docs/outliers.md); 0 for every other format. A
-/// whole-cache figure adds this once per (layer, K or V).
+/// once per layer and K/V in the config, docs/outliers.md); NVFP4's fp32 tensor scale (4
+/// bytes, config.fp4_tensor_scale); 0 for every other format. A whole-cache figure adds this
+/// once per (layer, K or V).
 inline std::size_t layer_metadata_bytes(const QuantConfig& cfg) {
-  return cfg.format == Format::kNuq ? nuq_codebook_bytes(cfg.bits) : 0;
+  if (cfg.format == Format::kNuq) return nuq_codebook_bytes(cfg.bits);
+  if (cfg.format == Format::kNvfp4) return sizeof(float);
+  return 0;
 }
 
 /// Effective bits per value of `cfg` on `shape` (0 for an empty shape).

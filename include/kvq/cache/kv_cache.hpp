@@ -85,9 +85,10 @@ inline constexpr float kMaxF16Magnitude = 65504.f;
 
 namespace detail {
 
-/// True when data stored under `c` must stay within the fp16 range.
+/// True when data stored under `c` must stay within the fp16 range (the FP4 formats keep no
+/// fp16 metadata: their block scales are e4m3 / e8m0 codes that saturate).
 inline bool needs_f16_range(const QuantConfig& c) {
-  return c.format == Format::kF16 || (!c.is_raw() && c.meta == MetaDType::kF16);
+  return c.format == Format::kF16 || (!c.is_raw() && !is_fp4(c.format) && c.meta == MetaDType::kF16);
 }
 
 }  // namespace detail

@@ -10,7 +10,8 @@
 /// accepts), e4m3/e5m2, nuq2/3/4 (calibrated codebook), lm1..4 without QJL for power-of-two
 /// head_dim in [32, 256], and dense-and-sparse outliers over int, fp8 and nuq (load_element
 /// applies a vector's exact outliers; AppendPlan selects them, at most kMaxGpuOutliers per
-/// vector). QJL is CPU-only: make_paged_desc throws kUnsupported.
+/// vector). QJL and the FP4 formats (nvfp4, mxfp4) are CPU-only: make_paged_desc throws
+/// kUnsupported.
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -146,6 +147,13 @@ inline TensorDesc make_tensor_desc(const QuantConfig& c, const TensorRegions& r,
         d.thresholds[i] = cb.thresholds[static_cast<std::size_t>(i)];
       return d;
     }
+    case Format::kNvfp4:
+    case Format::kMxfp4:
+      // The element math (format/fp4.hpp) is host/device, but no append / dequantize / decode
+      // kernel reads FP4 pages yet: refused here rather than misread.
+      fail(ErrorKind::kUnsupported, name, ": ", c.name(),
+           " pages have no GPU kernels yet (CPU only: quantize, dequantize and the fused CPU "
+           "attention read them)");
     default:
       fail(ErrorKind::kUnsupported, name, ": format ", c.name(), " has no GPU kernels");
   }

@@ -142,10 +142,12 @@ struct PageLayout {
       case Format::kInt:
       case Format::kNuq:
       case Format::kLloydMax: code_off = el * static_cast<std::size_t>(c.bits) / 8; break;
+      case Format::kNvfp4:
+      case Format::kMxfp4: code_off = el / 2; break;
     }
     if (!c.is_raw() && c.format != Format::kLloydMax && t0 > 0) {
       const GroupBox box = group_box(c.axis, c.group, Shape{P, H, D});
-      group_off = static_cast<std::size_t>(t0 / box.gt * box.nh * box.nc) * msz;
+      group_off = static_cast<std::size_t>(t0 / box.gt * box.nh * box.nc) * scale_slot_bytes(c);
     }
     s.codes = ptr(r.codes, code_off);
     s.scales = ptr(r.scales, group_off);
@@ -199,6 +201,8 @@ inline int64_t token_bits(const QuantConfig& c, int64_t H, int64_t D) {
     case Format::kInt:
     case Format::kNuq:
     case Format::kLloydMax: b = c.bits; break;
+    case Format::kNvfp4:
+    case Format::kMxfp4: b = 4; break;
   }
   return b * H * D;
 }

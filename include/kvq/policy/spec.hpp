@@ -121,6 +121,21 @@ inline QuantConfig nuq_config(int bits, Axis axis = Axis::kToken,
   return c;
 }
 
+/// FP4 block format (kNvfp4: e2m1 + e4m3 per 16 channels + the fp32 tensor decode scale
+/// `tensor_scale`; kMxfp4: e2m1 + e8m0 per 32 channels). The block is part of the format: axis
+/// token, group = the block (quant/fp4_quant.hpp).
+inline QuantConfig fp4_config(Format f, float tensor_scale = 1.0f) {
+  KVQ_REQUIRE(is_fp4(f), kInvalidArgument, "fp4_config: format ", to_string(f),
+              " is not an FP4 format (nvfp4, mxfp4)");
+  QuantConfig c;
+  c.format = f;
+  c.bits = 4;
+  c.axis = Axis::kToken;
+  c.group = fp4_block(f);
+  c.fp4_tensor_scale = tensor_scale;
+  return c;
+}
+
 /// Throws kInvalidArgument unless `c` is a configuration the spec grammar can express (the
 /// domain of every Policy): int bits 2/3/4/8 with group >= 1; fp8 on the token, head or tensor
 /// axis with group >= 0; Lloyd-Max bits 1..4; QJL only where `allow_qjl` (keys). `role` names
@@ -167,6 +182,17 @@ inline void validate_config(const QuantConfig& c, const std::string& role, bool 
       KVQ_REQUIRE(allow_qjl || !c.qjl, kInvalidArgument, role,
                   " config: QJL is an inner-product estimator for keys; ", role, "s cannot use it");
       return;
+    case Format::kNvfp4:
+    case Format::kMxfp4:
+      KVQ_REQUIRE(c.bits == 4 && c.axis == Axis::kToken && c.group == fp4_block(c.format),
+                  kInvalidArgument, role, " config: ", to_string(c.format),
+                  " stores 4-bit e2m1 codes in blocks of ", fp4_block(c.format),
+                  " channels (bits 4, token axis, group ", fp4_block(c.format), "), got bits ",
+                  c.bits, ", axis ", to_string(c.axis), ", group ", c.group);
+      KVQ_REQUIRE(std::isfinite(c.fp4_tensor_scale) && c.fp4_tensor_scale > 0.f,
+                  kInvalidArgument, role, " config: ", to_string(c.format),
+                  " tensor scale must be finite and > 0, got ", c.fp4_tensor_scale);
+      return;
   }
   fail(ErrorKind::kInvalidArgument, role, " config: unknown format ", static_cast<int>(c.format));
 }
@@ -194,13 +220,18 @@ inline bool same_config(const QuantConfig& a, const QuantConfig& b) {
              a.fp8_margin == b.fp8_margin;
     case Format::kLloydMax:
       return a.bits == b.bits && a.qjl == b.qjl && a.meta == b.meta && a.seed == b.seed;
+    case Format::kNvfp4:
+      return a.fp4_tensor_scale == b.fp4_tensor_scale;
+    case Format::kMxfp4:
+      return true;  // the block and its e8m0 scales are the format
   }
   return false;
 }
 
 /// Canonical spec term of a config, e.g. "int2/channel/g32", "e4m3/head", "lm4/rot/qjl".
-/// Every part is written (no defaults left implicit) except an fp8 group of 0. The seed and the
-/// fp8 margin are not part of the grammar: a parsed config always has their defaults.
+/// Every part is written (no defaults left implicit) except an fp8 group of 0. The seed, the
+/// fp8 margin and NVFP4's tensor scale are not part of the grammar: a parsed config always has
+/// their defaults (nvfp4 and mxfp4 are written bare: their block is part of the format).
 inline std::string config_spec(const QuantConfig& c) {
   std::string s;
   switch (c.format) {
@@ -226,6 +257,10 @@ inline std::string config_spec(const QuantConfig& c) {
     case Format::kNuq:
       s = "nuq" + std::to_string(c.bits) + "/" + to_string(c.axis) + "/g" + std::to_string(c.group);
       break;
+    case Format::kNvfp4:
+    case Format::kMxfp4:
+      s = to_string(c.format);
+      break;
   }
   if (c.outlier_pct > 0.f) {
     // The shortest fixed-point decimal (the grammar has no exponent, at most 12 characters)
@@ -248,7 +283,7 @@ inline std::string config_spec(const QuantConfig& c) {
   } else if (c.outliers > 0) {
     s += "/out" + std::to_string(c.outliers);
   }
-  if (c.meta == MetaDType::kF32) s += "/f32meta";
+  if (c.meta == MetaDType::kF32 && !is_fp4(c.format)) s += "/f32meta";  // FP4: byte scales
   return s;
 }
 
@@ -505,7 +540,7 @@ namespace detail {
 
 inline constexpr const char* kSpecFormats =
     "f32, f16, bf16, e4m3, e5m2, int2, int3, int4, int8, sint2, sint3, sint4, sint8, lm1, lm2, "
-    "lm3, lm4, nuq2, nuq3, nuq4";
+    "lm3, lm4, nuq2, nuq3, nuq4, nvfp4, mxfp4";
 inline constexpr const char* kSpecOptions =
     "an axis (token, channel, head, tensor), g<N>, rot, qjl, f32meta, out<N> or out<P>%";
 inline constexpr const char* kSpecFields =
@@ -569,6 +604,10 @@ inline bool lookup_format(std::string_view f, QuantConfig& c) {
     c = fp8_config(f == "e4m3" ? Format::kE4M3 : Format::kE5M2);
     return true;
   }
+  if (f == "nvfp4" || f == "mxfp4") {
+    c = fp4_config(f == "nvfp4" ? Format::kNvfp4 : Format::kMxfp4);
+    return true;
+  }
   const bool sym = f.substr(0, 4) == "sint";
   if (sym || f.substr(0, 3) == "int") {
     const std::string_view b = f.substr(sym ? 4 : 3);
@@ -610,6 +649,7 @@ inline QuantConfig parse_term(std::string_view term, std::string_view item, bool
   const bool raw = c.is_raw();
   const bool lm = c.format == Format::kLloydMax;
   const bool fp8 = c.format == Format::kE4M3 || c.format == Format::kE5M2;
+  const bool fp4 = is_fp4(c.format);
   std::string_view axis_seen, group_seen, out_seen;
   bool rot = false, qjl = false, meta = false;
   for (std::size_t i = 1; i < parts.size(); ++i) {
@@ -622,6 +662,9 @@ inline QuantConfig parse_term(std::string_view term, std::string_view item, bool
                   "'): unquantized formats have no scale groups");
       KVQ_REQUIRE(!lm, kParse, "format '", fmt, "' takes no axis ('", o, "' in '", item,
                   "'): Lloyd-Max stores one norm per vector");
+      KVQ_REQUIRE(!fp4, kParse, "format '", fmt, "' takes no axis ('", o, "' in '", item,
+                  "'): its scales cover blocks of ", fp4_block(c.format),
+                  " channels along head_dim, part of the format");
       KVQ_REQUIRE(axis_seen.empty(), kParse, "axis given twice ('", axis_seen, "' and '", o,
                   "') in '", item, "'");
       KVQ_REQUIRE(!(fp8 && axis == Axis::kChannel), kParse, "format '", fmt,
@@ -663,6 +706,8 @@ inline QuantConfig parse_term(std::string_view term, std::string_view item, bool
                   "'): unquantized formats have no scale groups");
       KVQ_REQUIRE(!lm, kParse, "format '", fmt, "' takes no group size ('", o, "' in '", item,
                   "'): Lloyd-Max stores one norm per vector");
+      KVQ_REQUIRE(!fp4, kParse, "format '", fmt, "' takes no group size ('", o, "' in '", item,
+                  "'): its block of ", fp4_block(c.format), " channels is part of the format");
       KVQ_REQUIRE(group_seen.empty(), kParse, "group size given twice ('", group_seen, "' and '", o,
                   "') in '", item, "'");
       const int64_t g = parse_spec_number(o.substr(1), "the group size g<N>", item);
@@ -685,6 +730,9 @@ inline QuantConfig parse_term(std::string_view term, std::string_view item, bool
       c.qjl = true;
     } else if (o == "f32meta") {
       KVQ_REQUIRE(!raw, kParse, "format '", fmt, "' has no metadata ('f32meta' in '", item, "')");
+      KVQ_REQUIRE(!fp4, kParse, "format '", fmt, "' stores its block scales as one ",
+                  c.format == Format::kNvfp4 ? "e4m3" : "e8m0", " byte each ('f32meta' in '",
+                  item, "')");
       KVQ_REQUIRE(!meta, kParse, "'f32meta' given twice in '", item, "'");
       meta = true;
       c.meta = MetaDType::kF32;

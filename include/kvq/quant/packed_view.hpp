@@ -11,7 +11,7 @@
 ///   codes      packed_bytes(numel, bits) bytes: the [tokens, heads, head_dim] bitstream (raw
 ///              f32/f16/bf16 values for the unquantized formats, one byte per fp8 code)
 ///   scales     one metadata value per group box, in box order (token block, head block,
-///              channel block) (int, fp8)
+///              channel block) (int, fp8); one e4m3 / e8m0 code byte per block (nvfp4, mxfp4)
 ///   zeros      one per group box (asymmetric int), else null
 ///   norms      one per (token, head) vector in token-major order (Lloyd-Max), else null
 ///   qjl_signs  one bit per coordinate (Lloyd-Max + QJL), else null
@@ -132,7 +132,11 @@ inline void size_for(QTensor& q, const QuantConfig& cfg, const Shape& s) {
   q.config = cfg;
   q.shape = s;
   q.codes.resize(p.codes);
-  q.scales.reset(cfg.meta, p.scales / msz);
+  if (is_fp4(cfg.format)) {
+    q.scales.reset_codes(p.scales);  // one e4m3 / e8m0 byte per block (quant/fp4_quant.hpp)
+  } else {
+    q.scales.reset(cfg.meta, p.scales / msz);
+  }
   q.zeros.reset(cfg.meta, p.zeros / msz);
   q.norms.reset(cfg.meta, p.norms / msz);
   q.qjl_signs.resize(p.qjl_signs);

@@ -33,7 +33,15 @@ enum class Format : uint8_t {
   kE5M2,       ///< scaled FP8 e5m2
   kLloydMax,   ///< per-vector norm + rotation + Lloyd-Max codebook (TurboQuant-style)
   kNuq,        ///< grouped min/max normalization + learned per-layer codebook (KVQuant nuq)
+  kNvfp4,      ///< NVFP4: e2m1 codes, one e4m3 scale per 16 channels, fp32 tensor scale
+  kMxfp4,      ///< MXFP4 (OCP): e2m1 codes, one e8m0 power-of-two scale per 32 channels
 };
+
+/// True for the FP4 block formats (format/fp4.hpp): 4-bit e2m1 codes along head_dim in blocks of
+/// fp4_block(f), one scale byte per block (e4m3 for NVFP4, e8m0 for MXFP4).
+inline bool is_fp4(Format f) { return f == Format::kNvfp4 || f == Format::kMxfp4; }
+/// Elements per scale block of an FP4 format (16 NVFP4, 32 MXFP4).
+inline int64_t fp4_block(Format f) { return f == Format::kNvfp4 ? 16 : 32; }
 
 inline const char* to_string(Format f) {
   switch (f) {
@@ -45,6 +53,8 @@ inline const char* to_string(Format f) {
     case Format::kE5M2: return "e5m2";
     case Format::kLloydMax: return "lm";
     case Format::kNuq: return "nuq";
+    case Format::kNvfp4: return "nvfp4";
+    case Format::kMxfp4: return "mxfp4";
   }
   return "?";
 }
@@ -69,7 +79,11 @@ struct QuantConfig {
   /// per-layer metadata; nuq_ready is false until kvq::calibrate or a calibration file set it.
   bool nuq_ready = false;
   std::array<float, kNuqMaxLevels> nuq_levels{};
-
+  /// nvfp4: the per-tensor fp32 decode scale g (> 0, finite; format/fp4.hpp): block scales are
+  /// e4m3(amax / 6 / g) and elements decode as e2m1 * e4m3 * g. 1 by default (TensorRT-LLM's
+  /// and vLLM's uncalibrated KV scale); a calibrated value comes from the data (spec /ts<g>).
+  /// Per-layer metadata (4 bytes, layer_metadata_bytes), not stored in any page.
+  float fp4_tensor_scale = 1.0f;
   bool is_raw() const {
     return format == Format::kF32 || format == Format::kF16 || format == Format::kBF16;
   }
@@ -85,8 +99,17 @@ struct QuantConfig {
       case Format::kE5M2: s = "e5m2"; break;
       case Format::kLloydMax: s = "lm" + std::to_string(bits); break;
       case Format::kNuq: s = "nuq" + std::to_string(bits); break;
+      case Format::kNvfp4: s = "nvfp4"; break;
+      case Format::kMxfp4: s = "mxfp4"; break;
     }
-    if (format != Format::kLloydMax) {
+    if (is_fp4(format)) {
+      // The block (axis and group) is part of the format; a calibrated tensor scale is shown.
+      if (format == Format::kNvfp4 && fp4_tensor_scale != 1.0f) {
+        char buf[32];
+        std::snprintf(buf, sizeof buf, "/ts%g", static_cast<double>(fp4_tensor_scale));
+        s += buf;
+      }
+    } else if (format != Format::kLloydMax) {
       s += "/";
       s += to_string(axis);
       if (group > 0) s += "/g" + std::to_string(group);
@@ -101,7 +124,7 @@ struct QuantConfig {
     } else if (outliers > 0) {
       s += "/out" + std::to_string(outliers);
     }
-    if (meta == MetaDType::kF32) s += "/f32meta";
+    if (meta == MetaDType::kF32 && !is_fp4(format)) s += "/f32meta";  // FP4: byte scales
     return s;
   }
 };
@@ -114,6 +137,11 @@ inline int64_t outlier_count(const QuantConfig& cfg, int64_t head_dim) {
     return static_cast<int64_t>(
         std::ceil(static_cast<double>(cfg.outlier_pct) * static_cast<double>(head_dim) / 100.0));
   return cfg.outliers;
+}
+/// Bytes of one scale slot of `cfg`: 1 for the FP4 formats (an e4m3 or e8m0 code), else the
+/// metadata type's size.
+inline std::size_t scale_slot_bytes(const QuantConfig& cfg) {
+  return is_fp4(cfg.format) ? 1u : static_cast<std::size_t>(meta_size(cfg.meta));
 }
 /// Bytes of one outlier position: 1 when head_dim <= 256, else 2 (little-endian uint16).
 inline int outlier_pos_bytes(int64_t head_dim) { return head_dim <= 256 ? 1 : 2; }
@@ -129,6 +157,13 @@ class MetaBuffer {
     dtype_ = dt;
     count_ = n;
     bytes_.resize(n * static_cast<std::size_t>(meta_size(dt)));
+  }
+  /// Sizes the buffer for n one-byte scale codes (the FP4 formats' e4m3 / e8m0 block scales):
+  /// raw() and data() hold them; get()/set() do not apply.
+  void reset_codes(std::size_t n) {
+    dtype_ = MetaDType::kF16;
+    count_ = n;
+    bytes_.resize(n);
   }
   /// Stores v (rounded to the storage type) and returns the value actually stored.
   float set(std::size_t i, float v) {
@@ -243,8 +278,19 @@ inline void check_format_bits(const QuantConfig& cfg) {
                 "Lloyd-Max codebooks have 1..4 bits, got ", cfg.bits);
   } else if (cfg.format == Format::kNuq) {
     check_nuq_bits(cfg.bits);
+  } else if (is_fp4(cfg.format)) {
+    KVQ_REQUIRE(cfg.bits == 4, kInvalidArgument, to_string(cfg.format),
+                " stores 4-bit e2m1 codes, got bits = ", cfg.bits);
+    KVQ_REQUIRE(cfg.axis == Axis::kToken && cfg.group == fp4_block(cfg.format),
+                kInvalidArgument, to_string(cfg.format), " scales blocks of ",
+                fp4_block(cfg.format), " channels along head_dim (token axis, group ",
+                fp4_block(cfg.format), "), got axis ", to_string(cfg.axis), " and group ",
+                cfg.group);
+    KVQ_REQUIRE(std::isfinite(cfg.fp4_tensor_scale) && cfg.fp4_tensor_scale > 0.f,
+                kInvalidArgument, to_string(cfg.format),
+                ": the tensor scale must be finite and > 0, got ", cfg.fp4_tensor_scale);
   }
-  KVQ_REQUIRE(static_cast<uint8_t>(cfg.format) <= static_cast<uint8_t>(Format::kNuq),
+  KVQ_REQUIRE(static_cast<uint8_t>(cfg.format) <= static_cast<uint8_t>(Format::kMxfp4),
               kInvalidArgument, "unknown format code ", static_cast<int>(cfg.format));
 }
 /// a * b, throwing kOutOfRange when it does not fit size_t.
@@ -282,6 +328,18 @@ inline PackedSizes packed_sizes(const QuantConfig& cfg, const Shape& shape) {
       p.zeros = (cfg.format == Format::kInt && !cfg.symmetric) || cfg.format == Format::kNuq
                     ? p.groups * msz
                     : 0;
+      break;
+    }
+    case Format::kNvfp4:
+    case Format::kMxfp4: {
+      const int64_t blk = fp4_block(cfg.format);
+      KVQ_REQUIRE(shape.head_dim % blk == 0, kShapeMismatch, to_string(cfg.format),
+                  " needs head_dim to be a multiple of its block of ", blk,
+                  " channels, but the shape is ", shape.str(), " (head_dim ", shape.head_dim,
+                  ")");
+      p.groups = n / static_cast<std::size_t>(blk);
+      p.codes = (n * 4 + 7) / 8;
+      p.scales = p.groups;  // one e4m3 / e8m0 byte per block
       break;
     }
     case Format::kLloydMax:

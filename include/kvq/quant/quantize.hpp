@@ -19,6 +19,7 @@
 #include "kvq/core/rows.hpp"
 #include "kvq/core/tensor.hpp"
 #include "kvq/simd/uniform_cpu.hpp"
+#include "kvq/quant/fp4_quant.hpp"
 #include "kvq/quant/grouped_quant.hpp"
 #include "kvq/quant/lloyd_max_quant.hpp"
 #include "kvq/quant/nuq_quant.hpp"
@@ -167,6 +168,8 @@ void quantize_into(const QuantConfig& cfg, const KVView<const T>& x, const Packe
     case Format::kE5M2: return quantize_fp8(cfg, x, q, ws);
     case Format::kLloydMax: return quantize_lloyd_max(cfg, x, q, ws);
     case Format::kNuq: return quantize_nuq(cfg, x, q, ws);
+    case Format::kNvfp4:
+    case Format::kMxfp4: return quantize_fp4(cfg, x, q, ws);
   }
   fail(ErrorKind::kInvalidArgument, "unknown format code ", static_cast<int>(cfg.format));
 }
@@ -226,6 +229,8 @@ void dequantize_tokens(const PackedView& q, int64_t t0, const KVView<T>& out,
     case Format::kNuq:
       dequantize_nuq(q, t0, out, ws);
       return apply_outliers(q, t0, out);
+    case Format::kNvfp4:
+    case Format::kMxfp4: return dequantize_fp4(q, t0, out, ws);
   }
   fail(ErrorKind::kInvalidArgument, "unknown format code ", static_cast<int>(q.config.format));
 }

@@ -19,7 +19,7 @@ namespace kvq::reference {
 
 template <class T>
 QTensor quantize_nuq(const QuantConfig& cfg, const KVView<const T>& x) {
-  detail::require_nuq_codebook(cfg);
+  ::kvq::detail::require_nuq_codebook(cfg);
   const Shape s = x.shape();
   const GroupBox box = group_box(cfg.axis, cfg.group, s);
   QTensor q;
@@ -46,7 +46,7 @@ QTensor quantize_nuq(const QuantConfig& cfg, const KVView<const T>& x) {
       }
   std::vector<UniformParams> p(groups);
   for (std::size_t g = 0; g < groups; ++g) {
-    p[g] = detail::nuq_params(lo[g], hi[g], cfg.meta, static_cast<int64_t>(g));
+    p[g] = ::kvq::detail::nuq_params(lo[g], hi[g], cfg.meta, static_cast<int64_t>(g));
     q.scales.set(g, p[g].scale);
     q.zeros.set(g, p[g].zero);
   }
@@ -72,7 +72,7 @@ void dequantize_nuq(const QTensor& q, const KVView<T>& out) {
   const Shape s = q.shape;
   KVQ_REQUIRE(out.shape() == s, kShapeMismatch, "dequantize into ", out.shape().str(),
               " but the tensor is ", s.str());
-  detail::require_nuq_codebook(cfg);
+  ::kvq::detail::require_nuq_codebook(cfg);
   if (s.numel() == 0) return;
   const GroupBox box = group_box(cfg.axis, cfg.group, s);
   std::size_t i = 0;

@@ -78,6 +78,9 @@ struct Stream {
   bool unpack = false;  ///< codes are unpacked into bytes first (odd widths: per tile or per row)
   bool lm = false, qjl = false, zeros = false, raw = false;
   bool nuq = false;  ///< nuq codes: table loads (lut = the layer's levels), int scales and zeros
+  /// FP4 (nvfp4 / mxfp4) codes: table loads like nuq (lut = the 16 e2m1 values), no zeros, and
+  /// the block scale decoded from its e4m3 / e8m0 byte (times the tensor scale for nvfp4).
+  bool fp4 = false;
   int bits = 32;
   int64_t nout =
       0;  ///< dense-and-sparse: outliers per (token, head) vector (int / fp8 / nuq dense)

@@ -179,7 +179,7 @@ inline void setup_packed(Stream& st, const PackedView& v, int W) {
   st.scale = Scale::kRow;
   st.mul = 1.f;
   st.off = 0.f;
-  st.lm = st.qjl = st.zeros = st.unpack = st.nuq = false;
+  st.lm = st.qjl = st.zeros = st.unpack = st.nuq = st.fp4 = false;
   st.raw = c.is_raw();
   st.ctx = nullptr;
   st.nout = outlier_count(c, D);
@@ -213,6 +213,13 @@ inline void setup_packed(Stream& st, const PackedView& v, int W) {
       st.zeros = true;
       for (int k = 0; k < 16; ++k)
         st.lut[k] = k < (1 << c.bits) ? c.nuq_levels[static_cast<std::size_t>(k)] : 0.f;
+      break;
+    case Format::kNvfp4:
+    case Format::kMxfp4:  // x = block scale * e2m1[c]: the nuq table path without zeros
+      st.bits = 4;
+      st.nuq = true;
+      st.fp4 = true;
+      for (int k = 0; k < 16; ++k) st.lut[k] = fp4::decode_e2m1(static_cast<uint8_t>(k));
       break;
     case Format::kLloydMax: {
       st.bits = c.bits;
@@ -273,7 +280,12 @@ inline void tile_meta(const Stream& st, int64_t t0, int64_t n, int64_t h, float*
   const GroupBox& b = st.box;
   const int64_t D = v.shape.head_dim;
   auto sz = [&](std::size_t g, float* s, float* z) {
-    const float sc = v.scale(g);
+    // FP4: the block's element scale exactly as dequantization computes it (fp4_quant.hpp), so
+    // fma(e2m1[c], s, 0) is the dequantized value bit for bit.
+    const float sc = !st.fp4 ? v.scale(g)
+                     : v.config.format == Format::kNvfp4
+                         ? fp4::nv_element_scale(v.scales[g], v.config.fp4_tensor_scale)
+                         : fp4::decode_e8m0(v.scales[g]);
     *s = sc * st.mul;
     *z = (st.zeros ? v.zero(g) : 0.f) - st.off * sc;
   };

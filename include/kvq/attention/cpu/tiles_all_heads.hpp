@@ -14,6 +14,7 @@ template <class S>
 bool Unit<S>::fast_stream(const Stream& st) {
   if (!st.packed) return st.rows.dim_contiguous();
   if (st.qjl) return false;
+  if (st.fp4) return false;  // byte block scales: the per-head path (tile_meta) reads FP4
   if (st.lm) return true;
   if (st.scale == Scale::kExpand) return false;
   return st.scale != Scale::kGroup || st.box.gc % 16 == 0;

@@ -51,13 +51,17 @@ inline uint8_t format_code(Format f) {
     case Format::kE5M2: return 5;
     case Format::kLloydMax: return 6;
     case Format::kNuq: return 7;
+    case Format::kNvfp4: return 8;
+    case Format::kMxfp4: return 9;
   }
   return 255;
 }
 inline bool format_from_code(uint8_t c, Format* f) {
-  static constexpr Format kF[] = {Format::kF32,  Format::kF16,  Format::kBF16,     Format::kInt,
-                                  Format::kE4M3, Format::kE5M2, Format::kLloydMax, Format::kNuq};
-  if (c >= 8) return false;
+  static constexpr Format kF[] = {Format::kF32,   Format::kF16,     Format::kBF16,
+                                  Format::kInt,   Format::kE4M3,    Format::kE5M2,
+                                  Format::kLloydMax, Format::kNuq,  Format::kNvfp4,
+                                  Format::kMxfp4};
+  if (c >= 10) return false;
   *f = kF[c];
   return true;
 }
@@ -92,6 +96,8 @@ inline void encode_config(uint8_t* p, uint8_t role, int layer, const QuantConfig
   put_i32(p + 16, c.outliers);
   put_f32(p + 20, c.outlier_pct);
   put_f32(p + 24, c.fp8_margin);
+  // Bytes 28..31: NVFP4's tensor scale; zero (reserved, as in archives before FP4) otherwise.
+  if (c.format == Format::kNvfp4) put_f32(p + 28, c.fp4_tensor_scale);
   put_i64(p + 32, c.group);
   put_u64(p + 40, c.seed);
   for (int i = 0; i < kNuqMaxLevels; ++i)
@@ -234,12 +240,13 @@ inline bool same_identity(const ArchiveRecord& a, const ArchiveRecord& b) {
          a.payload_crc == b.payload_crc && a.header_crc == b.header_crc;
 }
 
-/// A policy reduced to what its spec string expresses (seeds, fp8 margins and codebooks reset).
+/// A policy reduced to what its spec string expresses (seeds, fp8 margins, NVFP4 tensor scales and codebooks reset).
 inline Policy spec_part(Policy p) {
   auto strip = [](QuantConfig& c) {
     const QuantConfig d;
     c.seed = d.seed;
     c.fp8_margin = d.fp8_margin;
+    c.fp4_tensor_scale = d.fp4_tensor_scale;  // calibration, not grammar (config bytes 28..31)
     c.nuq_ready = false;
     c.nuq_levels = {};
   };
@@ -326,8 +333,14 @@ QuantConfig decode_config(const uint8_t* p, const At& at) {
   c.symmetric = (p[4] & 1) != 0;
   c.qjl = (p[4] & 2) != 0;
   c.nuq_ready = (p[4] & 4) != 0;
-  KVQ_REQUIRE(all_zero(p + 5, 3) && all_zero(p + 28, 4) && all_zero(p + 112, 16), kIo, at(),
-              ": nonzero reserved bytes");
+  KVQ_REQUIRE(all_zero(p + 5, 3) && (c.format == Format::kNvfp4 || all_zero(p + 28, 4)) &&
+                  all_zero(p + 112, 16),
+              kIo, at(), ": nonzero reserved bytes");
+  if (c.format == Format::kNvfp4) {
+    c.fp4_tensor_scale = get_f32(p + 28);
+    KVQ_REQUIRE(std::isfinite(c.fp4_tensor_scale) && c.fp4_tensor_scale > 0.f, kIo, at(),
+                ": nvfp4 tensor scale ", c.fp4_tensor_scale, " is not a positive finite number");
+  }
   c.bits = get_i32(p + 8);
   c.outliers = get_i32(p + 16);
   c.outlier_pct = get_f32(p + 20);
