@@ -20,6 +20,11 @@
 // Besides the presets, BM_Decode/<name>/32768 for KVQuant-style caches (kExtraPolicies): nuq
 // codebooks (calibrated once on other synthetic data) and 1% dense-and-sparse outliers, both
 // read in the fused kernels.
+//   BM_DecodeBatch/<policy>/<seqs>x<tokens>/threads:<n>
+//                                 attend_batch: one decode query per sequence for <seqs>
+//                                 sequences of <tokens> tokens each, their pages copied into one
+//                                 pool (distinct bytes per sequence), <n> workers (std::threads).
+//                                 items/s = cached tokens attended per second over the batch.
 // kvq_bench_report turns these into fractions of the stream bandwidth and speedups over f16.
 #include <benchmark/benchmark.h>
 
@@ -31,6 +36,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bench_common.hpp"
@@ -141,6 +147,89 @@ void BM_Decode(benchmark::State& state, std::string policy, int64_t tokens,
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * kv_bytes);
   state.counters["kv_bytes"] = static_cast<double>(kv_bytes);
   state.counters["fma_per_token"] = 2.0 * kQueryHeads * kDim;
+}
+
+/// BM_DecodeBatch's inputs: `seqs` copies of the (policy, tokens) cache's pages in one pool
+/// (sequence-major), its f32 sink and tail rows shared by every sequence (repetitions reuse it).
+struct BatchInput {
+  std::vector<std::byte> arena;
+  std::vector<int64_t> page_indptr{0}, tokens, query_indptr{0};
+  std::vector<int32_t> page_ids;
+  std::vector<kvq::KVView<const float>> sk, sv, tk, tv;
+  kvq::PagedKVBatch b;
+};
+
+const BatchInput& batch_for(const std::string& policy, int64_t seqs, int64_t tokens) {
+  static std::map<std::tuple<std::string, int64_t, int64_t>, std::unique_ptr<BatchInput>> inputs;
+  auto& slot = inputs[{policy, seqs, tokens}];
+  if (slot) return *slot;
+  slot = std::make_unique<BatchInput>();
+  BatchInput& in = *slot;
+  const kvq::KVCache& c = cache_for(policy, tokens);
+  const kvq::PageTable pt = c.page_table(0);
+  const kvq::KVView<const float> none(nullptr, kvq::Shape{0, kKvHeads, kDim});
+  kvq::KVView<const float> sk = none, sv = none, tk = none, tv = none;
+  c.for_each_segment(0, [&](const kvq::CacheSegment& g) {
+    if (g.kind == kvq::CacheSegment::Kind::kSinks) {
+      sk = g.key_rows;
+      sv = g.value_rows;
+    } else if (g.kind == kvq::CacheSegment::Kind::kResidual) {
+      tk = g.key_rows;
+      tv = g.value_rows;
+    }
+  });
+  const std::size_t pb = pt.layout.bytes;
+  const int64_t pages = seqs * pt.n_pages;
+  in.arena.resize(pb * static_cast<std::size_t>(pages) + 64);
+  std::byte* pool =
+      in.arena.data() + (64 - reinterpret_cast<std::uintptr_t>(in.arena.data()) % 64) % 64;
+  for (int64_t s = 0; s < seqs; ++s) {
+    for (int64_t i = 0; i < pt.n_pages; ++i) {
+      const int64_t id = s * pt.n_pages + i;
+      std::memcpy(pool + static_cast<std::size_t>(id) * pb, pt.pages[i], pb);
+      in.page_ids.push_back(static_cast<int32_t>(id));
+    }
+    in.page_indptr.push_back(static_cast<int64_t>(in.page_ids.size()));
+    in.tokens.push_back(pt.tokens);
+    in.query_indptr.push_back(s + 1);
+    in.sk.push_back(sk);
+    in.sv.push_back(sv);
+    in.tk.push_back(tk);
+    in.tv.push_back(tv);
+  }
+  in.b.layout = pt.layout;
+  in.b.pool = pool;
+  in.b.pool_pages = pages;
+  in.b.batch = seqs;
+  in.b.page_indptr = in.page_indptr.data();
+  in.b.page_ids = in.page_ids.data();
+  in.b.tokens = in.tokens.data();
+  in.b.query_indptr = in.query_indptr.data();
+  in.b.sink_k = in.sk.data();
+  in.b.sink_v = in.sv.data();
+  in.b.tail_k = in.tk.data();
+  in.b.tail_v = in.tv.data();
+  return in;
+}
+
+void BM_DecodeBatch(benchmark::State& state, std::string policy, int64_t seqs, int64_t tokens,
+                    int threads) {
+  const BatchInput& in = batch_for(policy, seqs, tokens);
+  const std::vector<float> q =
+      kvq_bench::make_input(static_cast<std::size_t>(seqs) * kQueryHeads * kDim, 5);
+  std::vector<float> out(q.size());
+  const auto qv = kvq::KVView<const float>::nhd(q.data(), seqs, kQueryHeads, kDim);
+  const auto ov = kvq::KVView<float>::nhd(out.data(), seqs, kQueryHeads, kDim);
+  kvq::BatchAttentionWorkspace ws;
+  kvq::AttentionOptions opt;
+  opt.threads = threads;
+  kvq::attend_batch(in.b, qv, ov, true, ws, nullptr, opt);  // sizes the workspace
+  for (auto _ : state) {
+    kvq::attend_batch(in.b, qv, ov, true, ws, nullptr, opt);
+    benchmark::DoNotOptimize(out.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * seqs * tokens);
 }
 
 // The widest fp32 vector of the build and its FMA (BM_FmaPeak).
@@ -293,6 +382,17 @@ int register_all() {
         [p = std::string(p), n](benchmark::State& s) { BM_Decode(s, p, n, true); })
         ->Unit(benchmark::kMillisecond);
   }
+  for (const char* p : {"f16", "k8v4", "kivi4"})
+    for (const auto& st : {std::pair<int64_t, int64_t>{16, 2048}, {4, 32768}})
+      for (int th : {1, 2})
+        benchmark::RegisterBenchmark(
+            ("BM_DecodeBatch/" + std::string(p) + "/" + std::to_string(st.first) + "x" +
+             std::to_string(st.second) + "/threads:" + std::to_string(th))
+                .c_str(),
+            [p = std::string(p), st, th](benchmark::State& s) {
+              BM_DecodeBatch(s, p, st.first, st.second, th);
+            })
+            ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("BM_FmaPeak", BM_FmaPeak);
   for (int64_t b : sizes)
     benchmark::RegisterBenchmark(("BM_StreamRead/" + std::to_string(b)).c_str(),

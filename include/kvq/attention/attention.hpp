@@ -51,11 +51,61 @@ inline void attend_segments(const CacheSegment* segs, std::size_t n_segs, int64_
   kernels::attn::attend_segments(ws.w, T, kv_heads, head_dim, q, out, causal, key_rope, opt, 0);
 }
 
+namespace detail {
+
+/// Appends the segments of one sequence to `segs`: f32 sink rows [0, sink_k.tokens()), then
+/// `tokens` packed tokens in pages page(0), page(1), ... of `layout` (all full but the last),
+/// then the f32 tail rows. Returns the sequence's tokens.
+template <class PageAt>
+int64_t page_segments(std::vector<CacheSegment>& segs, const PageLayout& layout,
+                      const PageAt& page, int64_t tokens, KVView<const float> sink_k,
+                      KVView<const float> sink_v, KVView<const float> tail_k,
+                      KVView<const float> tail_v) {
+  int64_t pos = 0;
+  if (sink_k.tokens() > 0) {
+    CacheSegment s;
+    s.kind = CacheSegment::Kind::kSinks;
+    s.begin = 0;
+    s.end = sink_k.tokens();
+    s.key_rows = sink_k;
+    s.value_rows = sink_v;
+    segs.push_back(s);
+    pos = s.end;
+  }
+  const int64_t P = layout.page_tokens;
+  for (int64_t i = 0; i * P < tokens; ++i) {
+    const int64_t fill = std::min(P, tokens - i * P);
+    CacheSegment s;
+    s.kind = CacheSegment::Kind::kPacked;
+    s.begin = pos;
+    s.end = pos + fill;
+    s.key_view = layout.key_view(page(i), fill);
+    s.value_view = layout.value_view(page(i), fill);
+    segs.push_back(s);
+    pos = s.end;
+  }
+  if (tail_k.tokens() > 0) {
+    CacheSegment s;
+    s.kind = CacheSegment::Kind::kResidual;
+    s.begin = pos;
+    s.end = pos + tail_k.tokens();
+    s.key_rows = tail_k;
+    s.value_rows = tail_v;
+    segs.push_back(s);
+    pos = s.end;
+  }
+  return pos;
+}
+
+}  // namespace detail
+
 /// Attention over an engine's page table (layout/page_layout.hpp: pages it allocated and
 /// filled with quantize_page, or KVCache::page_table): f32 sink rows for the positions before
 /// table.first_token (`sink_k`/`sink_v`, [first_token, kv_heads, head_dim], empty when
 /// first_token == 0), the table's pages, then f32 rows after them (`tail_k`/`tail_v`: the
-/// residual window, may be empty). Same semantics, errors and options as attend().
+/// residual window, may be empty). Same semantics, errors and options as attend(). One
+/// sequence of attend_batch: the same segments (detail::page_segments) and the same scheduler
+/// and merge (attention/cpu/merge.hpp), so the results are bit-identical.
 inline void attend_pages(const PageTable& table, KVView<const float> sink_k,
                          KVView<const float> sink_v, KVView<const float> tail_k,
                          KVView<const float> tail_v, KVView<const float> q, KVView<float> out,
@@ -69,40 +119,119 @@ inline void attend_pages(const PageTable& table, KVView<const float> sink_k,
   KVQ_REQUIRE(tail_k.tokens() == tail_v.tokens(), kShapeMismatch,
               "attend_pages: tail keys and values differ in tokens (", tail_k.tokens(), " vs ",
               tail_v.tokens(), ")");
-  auto& segs = ws.w.segs;
-  segs.clear();
-  int64_t pos = 0;
-  if (table.first_token > 0) {
-    CacheSegment s;
-    s.kind = CacheSegment::Kind::kSinks;
-    s.begin = 0;
-    s.end = table.first_token;
-    s.key_rows = sink_k;
-    s.value_rows = sink_v;
-    segs.push_back(s);
-    pos = s.end;
+  KVQ_REQUIRE(table.tokens >= 0 && table.tokens <= table.n_pages * table.layout.page_tokens,
+              kInvalidArgument, "attend_pages: the table holds ", table.tokens, " tokens but its ",
+              table.n_pages, " pages hold at most ", table.n_pages * table.layout.page_tokens);
+  ws.w.segs.clear();
+  const int64_t T = detail::page_segments(
+      ws.w.segs, table.layout, [&](int64_t i) { return table.pages[i]; }, table.tokens, sink_k,
+      sink_v, tail_k, tail_v);
+  kernels::attn::attend_segments(ws.w, T, H, D, q, out, causal, key_rope, opt, 0);
+}
+
+/// A batch of sequences over one page pool, FlashInfer-style (paged KV with indptr arrays).
+/// Sequence s (s < batch) holds, in token order: f32 sink rows (sink_k[s] / sink_v[s], may be
+/// empty or absent), tokens[s] packed tokens in the pages page_ids[page_indptr[s] ..
+/// page_indptr[s + 1]) (each page_tokens tokens, the last one partly filled; pages beyond
+/// ceil(tokens[s] / page_tokens) are not read), then f32 tail rows (tail_k[s] / tail_v[s]: the
+/// residual window, may be empty or absent). Its queries are the rows [query_indptr[s],
+/// query_indptr[s + 1]) of the call's queries. Page id p lives at pages[p] when `pages` is
+/// given, else at pool + p * page_stride (page_stride 0: layout.bytes).
+struct PagedKVBatch {
+  PageLayout layout;                        ///< every page's layout (kv_heads, head_dim, formats)
+  const std::byte* pool = nullptr;          ///< base of the page pool ...
+  std::size_t page_stride = 0;              ///< ... bytes between pages (0: layout.bytes)
+  const std::byte* const* pages = nullptr;  ///< or page pointers by id ([pool_pages])
+  int64_t pool_pages = 0;                   ///< valid page ids are [0, pool_pages)
+  int64_t batch = 0;                        ///< sequences B
+  const int64_t* page_indptr = nullptr;     ///< [B + 1], starts at 0, non-decreasing
+  const int32_t* page_ids = nullptr;        ///< [page_indptr[B]]
+  const int64_t* tokens = nullptr;          ///< [B] packed tokens per sequence
+  const int64_t* query_indptr = nullptr;    ///< [B + 1], starts at 0, ends at the query rows
+  const KVView<const float>* sink_k = nullptr;  ///< [B] or null: f32 rows before the pages
+  const KVView<const float>* sink_v = nullptr;
+  const KVView<const float>* tail_k = nullptr;  ///< [B] or null: f32 rows after the pages
+  const KVView<const float>* tail_v = nullptr;
+};
+
+/// Scratch of attend_batch (reused: a later call with no larger shape allocates nothing).
+struct BatchAttentionWorkspace {
+  kernels::attn::BatchWorkspace w;
+};
+
+/// Decode or chunked prefill of a batch of sequences in one call: the queries `q`
+/// ([total_queries, n_heads, head_dim]; sequence s's rows are [query_indptr[s],
+/// query_indptr[s + 1])) attend over their sequence's tokens (PagedKVBatch), written to `out`
+/// (same shape). Per sequence the semantics of attend() (query i of n_q at position
+/// tokens - n_q + i unless opt.positions; causal; options indexed by the global query row). A
+/// sequence with no tokens yields zeros (no error); a sequence with no queries is skipped.
+///
+/// Work split: every sequence is cut into token chunks of opt.split_tokens (0: 4096) x blocks
+/// of 16 queries; the units of all sequences are run largest first on opt.threads workers
+/// (opt.parallel_for or std::threads) and merged per row in chunk order, so the output is
+/// bit-identical for any thread count, and each sequence's rows equal attend_pages over it.
+/// Throws (writing nothing) on a bad table (an indptr that does not start at 0 or decreases,
+/// a page id outside the pool, more tokens than a sequence's pages hold, sink/tail rows that
+/// do not match), shape errors and bad options, naming the problem.
+inline void attend_batch(const PagedKVBatch& b, KVView<const float> q, KVView<float> out,
+                         bool causal, BatchAttentionWorkspace& ws,
+                         const RopeConfig* key_rope = nullptr, const AttentionOptions& opt = {}) {
+  const int64_t B = b.batch, P = b.layout.page_tokens;
+  const int64_t H = b.layout.kv_heads, D = b.layout.head_dim;
+  KVQ_REQUIRE(B >= 0, kInvalidArgument, "attend_batch: batch must be >= 0, got ", B);
+  KVQ_REQUIRE(B == 0 || (b.page_indptr != nullptr && b.tokens != nullptr &&
+                         b.query_indptr != nullptr),
+              kInvalidArgument, "attend_batch: page_indptr, tokens and query_indptr must be given");
+  KVQ_REQUIRE(B == 0 || b.page_indptr[0] == 0, kInvalidArgument,
+              "attend_batch: page_indptr[0] must be 0, got ", b.page_indptr[0]);
+  const std::size_t stride = b.page_stride != 0 ? b.page_stride : b.layout.bytes;
+  for (int64_t s = 0; s < B; ++s) {
+    const int64_t p0 = b.page_indptr[s], p1 = b.page_indptr[s + 1];
+    KVQ_REQUIRE(p1 >= p0, kInvalidArgument, "attend_batch: page_indptr is not monotone: page_indptr[",
+                s + 1, "]=", p1, " < page_indptr[", s, "]=", p0);
+    KVQ_REQUIRE(b.tokens[s] >= 0 && b.tokens[s] <= (p1 - p0) * P, kInvalidArgument,
+                "attend_batch: sequence ", s, " holds ", b.tokens[s], " tokens but its ", p1 - p0,
+                " pages of ", P, " tokens hold at most ", (p1 - p0) * P);
+    const int64_t used = (b.tokens[s] + P - 1) / P;
+    KVQ_REQUIRE(used == 0 || b.page_ids != nullptr, kInvalidArgument,
+                "attend_batch: page_ids is null");
+    KVQ_REQUIRE(used == 0 || b.pages != nullptr || b.pool != nullptr, kInvalidArgument,
+                "attend_batch: neither a page pool nor page pointers are given");
+    for (int64_t j = p0; j < p0 + used; ++j)
+      KVQ_REQUIRE(b.page_ids[j] >= 0 && b.page_ids[j] < b.pool_pages, kInvalidArgument,
+                  "attend_batch: page id ", b.page_ids[j], " (page_ids[", j, "], sequence ", s,
+                  ") is outside the pool's ", b.pool_pages, " pages");
+    const KVView<const float> none;
+    const KVView<const float>& sk = b.sink_k ? b.sink_k[s] : none;
+    const KVView<const float>& sv = b.sink_v ? b.sink_v[s] : none;
+    const KVView<const float>& tk = b.tail_k ? b.tail_k[s] : none;
+    const KVView<const float>& tv = b.tail_v ? b.tail_v[s] : none;
+    KVQ_REQUIRE(sk.tokens() == sv.tokens() && tk.tokens() == tv.tokens(), kShapeMismatch,
+                "attend_batch: sequence ", s, ": sink rows hold ", sk.tokens(), " keys and ",
+                sv.tokens(), " values, tail rows ", tk.tokens(), " keys and ", tv.tokens(),
+                " values");
   }
-  for (int64_t i = 0; i < table.n_pages; ++i) {
-    CacheSegment s;
-    s.kind = CacheSegment::Kind::kPacked;
-    s.begin = pos;
-    s.end = pos + table.page_fill(i);
-    s.key_view = table.key_view(i);
-    s.value_view = table.value_view(i);
-    if (s.end > s.begin) segs.push_back(s);
-    pos = s.end;
+  auto& w = ws.w;
+  if (static_cast<int64_t>(w.seq.size()) < B) w.seq.resize(static_cast<std::size_t>(B));
+  w.T.resize(static_cast<std::size_t>(B));
+  for (int64_t s = 0; s < B; ++s) {
+    const auto us = static_cast<std::size_t>(s);
+    const int64_t p0 = b.page_indptr[s];
+    const KVView<const float> none;
+    auto& segs = w.seq[us].segs;
+    segs.clear();
+    w.T[us] = detail::page_segments(
+        segs, b.layout,
+        [&](int64_t i) {
+          const int32_t id = b.page_ids[p0 + i];
+          return b.pages != nullptr ? b.pages[id] : b.pool + static_cast<std::size_t>(id) * stride;
+        },
+        b.tokens[s], b.sink_k ? b.sink_k[s] : none, b.sink_v ? b.sink_v[s] : none,
+        b.tail_k ? b.tail_k[s] : none, b.tail_v ? b.tail_v[s] : none);
   }
-  if (tail_k.tokens() > 0) {
-    CacheSegment s;
-    s.kind = CacheSegment::Kind::kResidual;
-    s.begin = pos;
-    s.end = pos + tail_k.tokens();
-    s.key_rows = tail_k;
-    s.value_rows = tail_v;
-    segs.push_back(s);
-    pos = s.end;
-  }
-  kernels::attn::attend_segments(ws.w, pos, H, D, q, out, causal, key_rope, opt, 0);
+  static const int64_t kZero[1] = {0};
+  kernels::attn::attend_batch_segments(w, B, H, D, B > 0 ? b.query_indptr : kZero, q, out,
+                                       causal, key_rope, opt);
 }
 
 /// Attention of the queries `q` ([n_q, n_heads, head_dim], the newest n_q positions of `layer`)

@@ -21,6 +21,7 @@
 #include <limits>
 #include <vector>
 
+#include "kvq/attention/attention.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/core/error.hpp"
 #include "kvq/core/rope.hpp"
@@ -47,11 +48,20 @@ struct RefAttentionWorkspace {
 /// token order, covering [0, total_tokens)); kv_heads x head_dim per token. Packed segments
 /// are dequantized from their QTensors (`key`, `value`). `layer` only names the layer in
 /// error messages.
+///
+/// `opt`: the logit and masking options of AttentionOptions (threads and the split are
+/// ignored), written out plainly: logit = scale * q.k (scale 0: 1/sqrt(head_dim)), then
+/// softcap * tanh(logit / softcap) when softcap > 0; query i (global row q_base + i for
+/// positions and masks) at p = positions[q_base + i], else tokens - n_q + i (causal) or the last
+/// token; kv position t is seen when (not causal or t <= p), (no window or t >= p - window + 1)
+/// and the custom mask (bits or callback) allows it; the sink logit of the query head adds
+/// exp(sink - max) to the denominator only. A row that sees no token is zeros.
 template <class ForEach>
 void attend_ref_segments(ForEach&& for_each, int64_t total_tokens, int64_t kv_heads,
                          int64_t head_dim, KVView<const float> q, KVView<float> out, bool causal,
                          RefAttentionWorkspace& ws, const RopeConfig* key_rope = nullptr,
-                         int layer = 0) {
+                         int layer = 0, const AttentionOptions& opt = AttentionOptions(),
+                         int64_t q_base = 0) {
   const int64_t T = total_tokens;
   const int64_t nq = q.tokens(), nh = q.heads(), D = head_dim;
   const int64_t H = kv_heads;
@@ -63,11 +73,28 @@ void attend_ref_segments(ForEach&& for_each, int64_t total_tokens, int64_t kv_he
               out.shape().str(), " does not match the queries ", q.shape().str());
   if (nq == 0) return;
   KVQ_REQUIRE(T > 0, kInvalidArgument, "attend_ref: layer ", layer, " holds no tokens");
-  KVQ_REQUIRE(!causal || nq <= T, kInvalidArgument, "attend_ref: ", nq,
+  KVQ_REQUIRE(!causal || opt.positions != nullptr || nq <= T, kInvalidArgument, "attend_ref: ", nq,
               " causal queries at the newest positions need at least as many tokens, but layer ",
               layer, " holds ", T);
   const int64_t group = nh / H;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const double scale =
+      opt.scale > 0.f ? static_cast<double>(opt.scale) : 1.0 / std::sqrt(static_cast<double>(D));
+  const double cap = static_cast<double>(opt.softcap);
+  auto query_position = [&](int64_t i) -> int64_t {
+    if (opt.positions != nullptr) return opt.positions[q_base + i];
+    return causal ? T - nq + i : T - 1;
+  };
+  auto sees = [&](int64_t i, int64_t t) {
+    const int64_t p = query_position(i);
+    if (causal && t > p) return false;
+    if (opt.window > 0 && t < p - opt.window + 1) return false;
+    const int64_t gi = q_base + i;
+    if (opt.mask_bits != nullptr &&
+        ((opt.mask_bits[gi * opt.mask_words + t / 64] >> (t % 64)) & 1u) == 0)
+      return false;
+    if (opt.mask_fn && !opt.mask_fn(gi, t)) return false;
+    return true;
+  };
 
   ws.q.resize(static_cast<std::size_t>(nq * nh * D));
   for (int64_t i = 0; i < nq; ++i)
@@ -105,20 +132,26 @@ void attend_ref_segments(ForEach&& for_each, int64_t total_tokens, int64_t kv_he
     }
     ws.scores.resize(static_cast<std::size_t>(len));
     for (int64_t i = 0; i < nq; ++i) {
-      const int64_t last = causal ? std::min(s.end, T - nq + i + 1) : s.end;
-      const int64_t n = last - s.begin;  // tokens of this segment query i sees
-      if (n <= 0) continue;
       for (int64_t h = 0; h < nh; ++h) {
         const int64_t kvh = h / group;
         const float* qr = ws.q.data() + (i * nh + h) * D;
         double seg_max = -std::numeric_limits<double>::infinity();
-        for (int64_t t = 0; t < n; ++t) {
+        bool any = false;
+        for (int64_t t = 0; t < len; ++t) {
+          double& sc = ws.scores[static_cast<std::size_t>(t)];
+          if (!sees(i, s.begin + t)) {
+            sc = -std::numeric_limits<double>::infinity();
+            continue;
+          }
           const float* kr = kp + (t * H + kvh) * D;
           double dot = 0.0;
           for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(qr[d]) * kr[d];
-          ws.scores[static_cast<std::size_t>(t)] = dot * scale;
-          seg_max = std::max(seg_max, dot * scale);
+          sc = dot * scale;
+          if (cap > 0.0) sc = cap * std::tanh(sc / cap);
+          seg_max = std::max(seg_max, sc);
+          any = true;
         }
+        if (!any) continue;
         const std::size_t qi = static_cast<std::size_t>(i * nh + h);
         SoftmaxState<double>& run = ws.run[qi];
         double* acc = ws.acc.data() + qi * static_cast<std::size_t>(D);
@@ -127,8 +160,10 @@ void attend_ref_segments(ForEach&& for_each, int64_t total_tokens, int64_t kv_he
           for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
         const double new_max = run.m;
         double sum = run.l;
-        for (int64_t t = 0; t < n; ++t) {
-          const double w = std::exp(ws.scores[static_cast<std::size_t>(t)] - new_max);
+        for (int64_t t = 0; t < len; ++t) {
+          const double sc = ws.scores[static_cast<std::size_t>(t)];
+          if (sc == -std::numeric_limits<double>::infinity()) continue;
+          const double w = std::exp(sc - new_max);
           sum += w;
           const float* vr = vp + (t * H + kvh) * D;
           for (int64_t d = 0; d < D; ++d) acc[d] += w * vr[d];
@@ -143,8 +178,12 @@ void attend_ref_segments(ForEach&& for_each, int64_t total_tokens, int64_t kv_he
     for (int64_t h = 0; h < nh; ++h) {
       const std::size_t qi = static_cast<std::size_t>(i * nh + h);
       const double* acc = ws.acc.data() + qi * static_cast<std::size_t>(D);
+      double denom = ws.run[qi].l;  // sum of exp(logit - m) over the tokens seen
+      if (denom > 0.0 && opt.sinks != nullptr)
+        denom += std::exp(static_cast<double>(opt.sinks[h]) - ws.run[qi].m);
       for (int64_t d = 0; d < D; ++d)
-        ws.out_row[static_cast<std::size_t>(d)] = static_cast<float>(acc[d] / ws.run[qi].l);
+        ws.out_row[static_cast<std::size_t>(d)] =
+            denom > 0.0 ? static_cast<float>(acc[d] / denom) : 0.f;
       detail::store_row(out, i, h, ws.out_row.data());
     }
 }
@@ -158,6 +197,16 @@ inline void attend_ref(const KVCache& cache, int layer, KVView<const float> q, K
   const int64_t T = cache.tokens(layer);
   attend_ref_segments([&](auto&& fn) { cache.for_each_segment(layer, fn); }, T,
                       cache.kv_heads(), cache.head_dim(), q, out, causal, ws, key_rope, layer);
+}
+
+/// attend_ref() with the logit and masking options of `opt` (see attend_ref_segments).
+inline void attend_ref(const KVCache& cache, int layer, KVView<const float> q, KVView<float> out,
+                       bool causal, const AttentionOptions& opt,
+                       const RopeConfig* key_rope = nullptr) {
+  RefAttentionWorkspace ws;
+  const int64_t T = cache.tokens(layer);
+  attend_ref_segments([&](auto&& fn) { cache.for_each_segment(layer, fn); }, T,
+                      cache.kv_heads(), cache.head_dim(), q, out, causal, ws, key_rope, layer, opt);
 }
 
 /// attend_ref() with a workspace of its own.

@@ -13,10 +13,10 @@ namespace kvq {
 namespace kernels {
 namespace attn {
 
-/// Checks the segments and the queries, prepares the streams and queries, then runs.
+/// Prepares the streams of the segments (ws.segs, checked) and the queries of problem P for
+/// its units.
 template <class S>
-void attend_impl(Workspace& ws, Problem& P, KVView<const float> q, KVView<float> out,
-                 const AttentionOptions& opt) {
+void prepare(Workspace& ws, Problem& P, KVView<const float> q) {
   const int64_t D = P.D, H = P.H, nq = P.nq, G = P.G, HR = nq * G;
   ws.ks.resize(ws.segs.size());
   ws.vs.resize(ws.segs.size());
@@ -50,8 +50,8 @@ void attend_impl(Workspace& ws, Problem& P, KVView<const float> q, KVView<float>
       vs.rows = s.value_rows;
     }
   }
-  // Queries: [H, nq * G, D], scaled by 1/sqrt(D); sums for zero points; rotations.
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  // Queries: [H, nq * G, D], times the softmax scale; sums for zero points; rotations.
+  const float scale = P.scale;
   ws.qs.resize(static_cast<std::size_t>(H * HR * D));
   ws.qsum.resize(static_cast<std::size_t>(H * HR));
   ws.out_row.resize(static_cast<std::size_t>(D));
@@ -119,7 +119,81 @@ void attend_impl(Workspace& ws, Problem& P, KVView<const float> q, KVView<float>
   const std::size_t stride = static_cast<std::size_t>(H * kQueryBlock * G);
   ws.us.assign(units * stride, SoftmaxState<float>::empty());
   ws.uacc.resize(units * stride * static_cast<std::size_t>(D));
-  run_units<S>(P, ws, out, opt);
+}
+
+/// Prepares problems P[0, np) (workspaces W, queries q[p]; those with no tokens or queries are
+/// left alone), runs all their units (merge.hpp) and merges each into out[p] (zeros for a
+/// problem with no tokens).
+template <class S>
+void run_problems(Problem* P, Workspace* W, const KVView<const float>* q, const KVView<float>* out,
+                  std::size_t np, std::vector<Scratch>& scratch, std::vector<UnitRef>& units,
+                  const AttentionOptions& opt) {
+  for (std::size_t p = 0; p < np; ++p)
+    if (P[p].nq > 0 && P[p].T > 0) prepare<S>(W[p], P[p], q[p]);
+  run_all<S>(P, W, np, scratch, units, opt);
+  for (std::size_t p = 0; p < np; ++p) {
+    if (P[p].nq == 0) continue;
+    if (P[p].T == 0) {
+      for (int64_t i = 0; i < out[p].tokens(); ++i)
+        for (int64_t h = 0; h < out[p].heads(); ++h)
+          for (int64_t d = 0; d < out[p].head_dim(); ++d) out[p].at(i, h, d) = 0.f;
+      continue;
+    }
+    merge_units(P[p], W[p], out[p], opt.sinks);
+  }
+}
+
+/// Checks the options that do not depend on the sequence (threads, split, window, scale,
+/// softcap, mask, sinks for nh query heads).
+inline void check_options(const AttentionOptions& opt, int64_t nh) {
+  KVQ_REQUIRE(opt.threads >= 1, kInvalidArgument, "attend: threads must be >= 1, got ",
+              opt.threads);
+  KVQ_REQUIRE(opt.split_tokens >= 0, kInvalidArgument,
+              "attend: split_tokens must be >= 0 (0 = default), got ", opt.split_tokens);
+  KVQ_REQUIRE(opt.window >= 0, kInvalidArgument,
+              "attend: window must be >= 0 (0 = none), got ", opt.window);
+  KVQ_REQUIRE(std::isfinite(opt.scale) && opt.scale >= 0.f, kInvalidArgument,
+              "attend: scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got ", opt.scale);
+  KVQ_REQUIRE(std::isfinite(opt.softcap) && opt.softcap >= 0.f, kInvalidArgument,
+              "attend: softcap must be finite and >= 0 (0 = off), got ", opt.softcap);
+  KVQ_REQUIRE(opt.mask_bits == nullptr || !opt.mask_fn, kInvalidArgument,
+              "attend: give the custom mask as mask_bits or as mask_fn, not both");
+  KVQ_REQUIRE(opt.mask_bits != nullptr || opt.mask_words == 0, kInvalidArgument,
+              "attend: mask_words=", opt.mask_words, " is set but mask_bits is null");
+  if (opt.sinks != nullptr)
+    for (int64_t h = 0; h < nh; ++h)
+      KVQ_REQUIRE(!std::isnan(opt.sinks[h]) &&
+                      opt.sinks[h] < std::numeric_limits<float>::infinity(),
+                  kInvalidArgument, "attend: sink logit of query head ", h,
+                  " must not be NaN or +inf, got ", opt.sinks[h]);
+}
+
+/// The problem of one sequence: T tokens, kv_heads H, head_dim D, the queries q (rows
+/// q_base.. of the call's queries), resolved options.
+inline Problem make_problem(int64_t T, int64_t H, int64_t D, KVView<const float> q, bool causal,
+                            const RopeConfig* rope, const AttentionOptions& opt, int64_t q_base) {
+  Problem P;
+  P.T = T;
+  P.H = H;
+  P.D = D;
+  P.nq = q.tokens();
+  P.nh = q.heads();
+  P.G = P.nh / H;
+  P.causal = causal;
+  P.window = opt.window;
+  P.scale = opt.scale > 0.f ? opt.scale
+                            : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  P.softcap = opt.softcap;
+  P.q_base = q_base;
+  P.positions = opt.positions;
+  P.mask_bits = opt.mask_bits;
+  P.mask_words = opt.mask_words;
+  P.mask_fn = opt.mask_fn ? &opt.mask_fn : nullptr;
+  P.rope = rope;
+  P.split = opt.split_tokens > 0 ? opt.split_tokens : kDefaultSplit;
+  P.nchunks = (T + P.split - 1) / P.split;
+  P.nqb = (P.nq + kQueryBlock - 1) / kQueryBlock;
+  return P;
 }
 
 /// Validates the call and the segments (in order, covering [0, T), matching shapes). With a
@@ -127,7 +201,9 @@ void attend_impl(Workspace& ws, Problem& P, KVView<const float> q, KVView<float>
 /// released its oldest pages, KVCache::release_before).
 inline void check_call(const std::vector<CacheSegment>& segs, int64_t T, int64_t H, int64_t D,
                        KVView<const float> q, KVView<float> out, bool causal,
-                       const RopeConfig* rope, int layer, int64_t window = 0) {
+                       const RopeConfig* rope, int layer, const AttentionOptions& opt = {},
+                       int64_t q_base = 0) {
+  const int64_t window = opt.window;
   const int64_t nq = q.tokens(), nh = q.heads();
   KVQ_REQUIRE(q.head_dim() == D, kShapeMismatch, "attend: queries have head_dim ", q.head_dim(),
               " but the cache has ", D);
@@ -137,15 +213,33 @@ inline void check_call(const std::vector<CacheSegment>& segs, int64_t T, int64_t
               " does not match the queries ", q.shape().str());
   if (nq == 0) return;
   KVQ_REQUIRE(T > 0, kInvalidArgument, "attend: layer ", layer, " holds no tokens");
-  KVQ_REQUIRE(!causal || nq <= T, kInvalidArgument, "attend: ", nq,
-              " causal queries at the newest positions need at least as many tokens, but layer ",
-              layer, " holds ", T);
+  if (opt.positions != nullptr) {
+    for (int64_t i = 0; i < nq; ++i)
+      KVQ_REQUIRE(opt.positions[q_base + i] >= 0 && opt.positions[q_base + i] < T,
+                  kInvalidArgument, "attend: positions[", q_base + i, "]=",
+                  opt.positions[q_base + i], " is outside the sequence's ", T, " tokens");
+  } else {
+    KVQ_REQUIRE(!causal || nq <= T, kInvalidArgument, "attend: ", nq,
+                " causal queries at the newest positions need at least as many tokens, but "
+                "layer ",
+                layer, " holds ", T);
+  }
+  KVQ_REQUIRE(opt.mask_bits == nullptr || opt.mask_words * 64 >= T, kInvalidArgument,
+              "attend: mask_words=", opt.mask_words, " (the mask's stride in 64-bit words) covers ",
+              opt.mask_words * 64, " positions, but the sequence has ", T, " tokens (needs >= ",
+              (T + 63) / 64, ")");
   KVQ_REQUIRE(rope == nullptr || D % 2 == 0, kInvalidArgument,
               "attend: RoPE needs an even head_dim, got ", D);
   int64_t pos = 0;
   // The first position any query's window reaches (0 without a window): segments may leave
   // out tokens before it.
-  const int64_t first_seen = window > 0 ? std::max<int64_t>(0, (causal ? T - nq : T - 1) - window + 1) : 0;
+  int64_t first_seen = 0;
+  if (window > 0) {
+    int64_t pmin = causal ? T - nq : T - 1;
+    if (opt.positions != nullptr)
+      for (int64_t i = 0; i < nq; ++i) pmin = std::min(pmin, opt.positions[q_base + i]);
+    first_seen = std::max<int64_t>(0, pmin - window + 1);
+  }
   for (const CacheSegment& s : segs) {
     KVQ_REQUIRE(s.end > s.begin && (s.begin == pos || (s.begin > pos && s.begin <= first_seen)),
                 kInvalidArgument, "attend: segment [", s.begin, ", ", s.end,
@@ -190,36 +284,96 @@ inline
     attend_segments(Workspace& ws, int64_t T, int64_t H, int64_t D, KVView<const float> q,
                     KVView<float> out, bool causal, const RopeConfig* rope,
                     const AttentionOptions& opt, int layer) {
-  check_call(ws.segs, T, H, D, q, out, causal, rope, layer, opt.window);
+  check_options(opt, q.heads());
+  check_call(ws.segs, T, H, D, q, out, causal, rope, layer, opt);
   const int64_t nq = q.tokens();
   if (nq == 0) return;
   decode_unsupported(ws);
-  KVQ_REQUIRE(opt.threads >= 1, kInvalidArgument, "attend: threads must be >= 1, got ",
-              opt.threads);
-  KVQ_REQUIRE(opt.split_tokens >= 0, kInvalidArgument,
-              "attend: split_tokens must be >= 0 (0 = default), got ", opt.split_tokens);
-  KVQ_REQUIRE(opt.window >= 0, kInvalidArgument,
-              "attend: window must be >= 0 (0 = none), got ", opt.window);
-  Problem P;
-  P.T = T;
-  P.H = H;
-  P.D = D;
-  P.nq = nq;
-  P.nh = q.heads();
-  P.G = P.nh / H;
-  P.causal = causal;
-  P.window = opt.window;
-  P.rope = rope;
-  P.split = opt.split_tokens > 0 ? opt.split_tokens : kDefaultSplit;
-  P.nchunks = (T + P.split - 1) / P.split;
-  P.nqb = (nq + kQueryBlock - 1) / kQueryBlock;
+  Problem P = make_problem(T, H, D, q, causal, rope, opt, 0);
+  const KVView<float> o = out;
   // AVX-512 builds take the Simd256 instance as well: its all-heads tile loop runs the 16-lane
   // microkernels (simd/attention_avx2.hpp). A target with AVX-512 but without AVX2/FMA/F16C
   // (no real CPU; only a hand-picked -m flag set) runs the scalar instance.
 #if KVQ_HAS_AVX2 && KVQ_HAS_F16C
-  if (D % 8 == 0) return attend_impl<Simd256>(ws, P, q, out, opt);
+  if (D % 8 == 0) return run_problems<Simd256>(&P, &ws, &q, &o, 1, ws.scratch, ws.units, opt);
 #endif
-  attend_impl<SimdScalar>(ws, P, q, out, opt);
+  run_problems<SimdScalar>(&P, &ws, &q, &o, 1, ws.scratch, ws.units, opt);
+}
+#endif  // KVQ_EXTERN_KERNELS
+
+
+/// What a batched call keeps between calls: one Workspace per sequence (its segments, streams,
+/// queries and unit results), the per-worker scratch and the unit list shared by all.
+struct BatchWorkspace {
+  std::vector<Workspace> seq;
+  std::vector<Problem> probs;
+  std::vector<KVView<const float>> qv;
+  std::vector<KVView<float>> ov;
+  std::vector<int64_t> T;  // [B] tokens per sequence
+  std::vector<Scratch> scratch;
+  std::vector<UnitRef> units;
+  std::vector<const std::byte*> page_ptrs;  // attend_batch: page pointers of one sequence
+};
+
+/// Batched entry point: sequence s (s < B) holds ws.T[s] tokens in the segments ws.seq[s].segs
+/// (filled by the caller) and the query rows [q_indptr[s], q_indptr[s + 1]) of q; its output
+/// rows are the same rows of out. A sequence with no tokens yields zeros. All units of all
+/// sequences are scheduled together (merge.hpp).
+#if defined(KVQ_EXTERN_KERNELS) && !defined(KVQ_DETAIL_DEFINE_ATTENTION)
+void attend_batch_segments(BatchWorkspace& ws, int64_t B, int64_t H, int64_t D,
+                           const int64_t* q_indptr, KVView<const float> q, KVView<float> out,
+                           bool causal, const RopeConfig* rope, const AttentionOptions& opt);
+#else
+#ifndef KVQ_DETAIL_DEFINE_ATTENTION
+inline
+#endif
+    void
+    attend_batch_segments(BatchWorkspace& ws, int64_t B, int64_t H, int64_t D,
+                          const int64_t* q_indptr, KVView<const float> q, KVView<float> out,
+                          bool causal, const RopeConfig* rope, const AttentionOptions& opt) {
+  KVQ_REQUIRE(B >= 0, kInvalidArgument, "attend_batch: batch size must be >= 0, got ", B);
+  KVQ_REQUIRE(static_cast<int64_t>(ws.seq.size()) >= B && static_cast<int64_t>(ws.T.size()) >= B,
+              kInvalidArgument, "attend_batch: the workspace holds ", ws.seq.size(),
+              " sequences, not ", B);
+  KVQ_REQUIRE(q.head_dim() == D, kShapeMismatch, "attend_batch: queries have head_dim ",
+              q.head_dim(), " but the pages have ", D);
+  KVQ_REQUIRE(q.heads() > 0 && q.heads() % H == 0, kShapeMismatch, "attend_batch: n_heads=",
+              q.heads(), " is not a positive multiple of kv_heads=", H);
+  KVQ_REQUIRE(out.shape() == q.shape(), kShapeMismatch, "attend_batch: output ",
+              out.shape().str(), " does not match the queries ", q.shape().str());
+  KVQ_REQUIRE(q_indptr != nullptr, kInvalidArgument, "attend_batch: query indptr is null");
+  KVQ_REQUIRE(q_indptr[0] == 0, kInvalidArgument, "attend_batch: query indptr[0] must be 0, got ",
+              q_indptr[0]);
+  for (int64_t s = 0; s < B; ++s)
+    KVQ_REQUIRE(q_indptr[s + 1] >= q_indptr[s], kInvalidArgument,
+                "attend_batch: query indptr is not monotone: indptr[", s + 1, "]=",
+                q_indptr[s + 1], " < indptr[", s, "]=", q_indptr[s]);
+  KVQ_REQUIRE(q_indptr[B] == q.tokens(), kInvalidArgument, "attend_batch: query indptr[", B,
+              "]=", q_indptr[B], " but the queries hold ", q.tokens(), " rows");
+  check_options(opt, q.heads());
+  ws.probs.resize(static_cast<std::size_t>(B));
+  ws.qv.resize(static_cast<std::size_t>(B));
+  ws.ov.resize(static_cast<std::size_t>(B));
+  for (int64_t s = 0; s < B; ++s) {
+    const auto us = static_cast<std::size_t>(s);
+    const int64_t q0 = q_indptr[s], n = q_indptr[s + 1] - q0;
+    ws.qv[us] = q.slice_tokens(q0, n);
+    ws.ov[us] = out.slice_tokens(q0, n);
+    if (ws.T[us] > 0) check_call(ws.seq[us].segs, ws.T[us], H, D, ws.qv[us], ws.ov[us], causal, rope,
+                                static_cast<int>(s), opt, q0);
+  }
+  for (int64_t s = 0; s < B; ++s) {
+    const auto us = static_cast<std::size_t>(s);
+    if (ws.T[us] > 0 && ws.qv[us].tokens() > 0) decode_unsupported(ws.seq[us]);
+    ws.probs[us] = make_problem(ws.T[us], H, D, ws.qv[us], causal, rope, opt, q_indptr[s]);
+  }
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+  if (D % 8 == 0)
+    return run_problems<Simd256>(ws.probs.data(), ws.seq.data(), ws.qv.data(), ws.ov.data(),
+                                 static_cast<std::size_t>(B), ws.scratch, ws.units, opt);
+#endif
+  run_problems<SimdScalar>(ws.probs.data(), ws.seq.data(), ws.qv.data(), ws.ov.data(),
+                           static_cast<std::size_t>(B), ws.scratch, ws.units, opt);
 }
 #endif  // KVQ_EXTERN_KERNELS
 

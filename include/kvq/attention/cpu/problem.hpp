@@ -49,6 +49,31 @@ struct AttentionOptions {
   int64_t window = 0;
   /// Caller-supplied parallel-for (optional).
   ParallelFor parallel_for;
+
+  // ---- logits and masking (attention/cpu/mask.hpp applies them in every kernel path; the
+  // oracle reference/attention_ref.hpp implements the same semantics in double).
+
+  /// Softmax scale: logits are scale * q.k (0 = 1/sqrt(head_dim)). Must be finite and >= 0.
+  float scale = 0.f;
+  /// Logit soft-capping (Gemma 2): logit = softcap * tanh(logit / softcap), after the scale
+  /// (0 = off). Must be finite and >= 0.
+  float softcap = 0.f;
+  /// Explicit query positions ([n_q] kv positions, each in [0, tokens); batch: indexed by the
+  /// global query row): query i sits at positions[i] instead of the implicit tokens - n_q + i.
+  /// With causal, it sees the tokens at positions <= positions[i]; the window ends there too.
+  const int64_t* positions = nullptr;
+  /// Custom mask as bits (optional): query i sees kv position t only when bit t % 64 of word
+  /// mask_bits[i * mask_words + t / 64] is set (batch: i is the global query row, t the position
+  /// within its sequence). Combined with causal and window (all must allow a token). Tree masks
+  /// for speculative verification. mask_words must cover every position: >= ceil(tokens / 64).
+  const uint64_t* mask_bits = nullptr;
+  int64_t mask_words = 0;
+  /// Custom mask as a callback (optional; not with mask_bits): mask_fn(query, kv_pos) true when
+  /// the query sees the position. Called from the workers concurrently: must be thread-safe.
+  std::function<bool(int64_t query, int64_t kv_pos)> mask_fn;
+  /// Attention-sink logits (gpt-oss), one f32 per query head ([n_heads]; nullptr = none): each
+  /// adds exp(sink - m) to the softmax denominator only (it has no value). Not NaN or +inf.
+  const float* sinks = nullptr;
 };
 
 namespace kernels {
@@ -123,8 +148,17 @@ struct Scratch {
   std::vector<float> odv;           // [k, kTile] its exact value minus its dense value
 };
 
+/// One work unit of a call (problem p: a sequence of a batch, 0 for a single call; a chunk of
+/// tokens; a block of queries) and its cost (tokens it reads x query rows), for the scheduler
+/// (merge.hpp).
+struct UnitRef {
+  int64_t cost;
+  int32_t p, chunk, qb;
+};
+
 /// Everything an attention call keeps between calls.
 struct Workspace {
+  std::vector<UnitRef> units;  // the scheduler's unit list
   std::vector<CacheSegment> segs;
   std::vector<Stream> ks, vs;
   std::vector<float> qs;                 // [H, nq*G, D] queries / sqrt(D)
@@ -189,6 +223,13 @@ struct Problem {
   int64_t T = 0, H = 0, D = 0, nq = 0, nh = 0, G = 0;
   bool causal = true;
   int64_t window = 0;  // AttentionOptions::window
+  float scale = 1.f;    // resolved AttentionOptions::scale
+  float softcap = 0.f;  // AttentionOptions::softcap
+  int64_t q_base = 0;   // global row of query 0 (batch): indexes positions and the masks
+  const int64_t* positions = nullptr;  // AttentionOptions::positions (global rows)
+  const uint64_t* mask_bits = nullptr;
+  int64_t mask_words = 0;
+  const std::function<bool(int64_t, int64_t)>* mask_fn = nullptr;  // null: none
   const RopeConfig* rope = nullptr;
   int64_t split = kDefaultSplit, nchunks = 0, nqb = 0;
   const detail::LloydMaxContext* k_ctx = nullptr;  // Lloyd-Max keys (query rotation)

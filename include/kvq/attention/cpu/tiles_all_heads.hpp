@@ -471,23 +471,13 @@ void Unit<S>::tile_all(int64_t n) {
         outlier_scores(ws_.ks[p.si], p.loc0, p.n, h,
                        ws_.qs.data() + (h * P_.nq * P_.G + i0_ * P_.G) * P_.D,
                        sc_.s.data() + h * R * kTile + p.o);
-  // ---- causal mask, online softmax: weights into sc (entries [n, n8) are 0)
+  // ---- masks and soft-cap (mask.hpp), online softmax: weights into sc (entries [n, n8) are 0)
   float* sc = sc_.s.data();
   const int64_t n8 = (n + 7) & ~int64_t{7};
   for (int64_t h = 0; h < H; ++h)
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t i = i0_ + r / P_.G;
-      const int64_t last = P_.causal ? P_.T - P_.nq + i : P_.T - 1;  // last visible position
-      const int64_t nv = std::min(n, last - t0 + 1);
-      // first visible entry of the tile (sliding window)
-      const int64_t lo = P_.window > 0 ? std::max<int64_t>(0, last - P_.window + 1 - t0) : 0;
       float* s = sc + (h * R + r) * kTile;
-      if (nv <= lo) {  // this query sees none of the tile
-        std::fill(s, s + n8, 0.f);
-        continue;
-      }
-      std::fill(s + nv, s + n8, -std::numeric_limits<float>::infinity());
-      std::fill(s, s + lo, -std::numeric_limits<float>::infinity());
+      if (!mask_logits(P_, i0_ + r / P_.G, t0, n, n8, s)) continue;  // sees none of the tile
       const std::size_t st = static_cast<std::size_t>(h * R + r);
       V mv = _mm256_loadu_ps(s);
       for (int64_t t = 8; t < n8; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));

@@ -26,21 +26,11 @@ void Unit<S>::tile(const CacheSegment& seg, const Stream& ks, const Stream& vs, 
     with_load(ks.load, [&](auto LC) { score_packed<LC.value>(ks, h, loc0, n, qs); });
     if (ks.nout > 0) outlier_scores(ks, loc0, n, h, qs, sc);
   }
-  // ---- causal mask, online softmax: weights into sc
+  // ---- masks and soft-cap (mask.hpp), online softmax: weights into sc
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t i = i0_ + r / P_.G;
-    const int64_t last = P_.causal ? P_.T - P_.nq + i : P_.T - 1;  // last visible position
-    const int64_t nv = std::min(n, last - t0 + 1);
-    // first visible entry of the tile (sliding window)
-    const int64_t lo = P_.window > 0 ? std::max<int64_t>(0, last - P_.window + 1 - t0) : 0;
     float* s = sc + r * kTile;
     const std::size_t st = static_cast<std::size_t>(h * R + r);
-    if (nv <= lo) {  // this query sees none of the tile
-      std::fill(s, s + kTile, 0.f);
-      continue;
-    }
-    std::fill(s + nv, s + kTile, -std::numeric_limits<float>::infinity());
-    std::fill(s, s + lo, -std::numeric_limits<float>::infinity());
+    if (!mask_logits(P_, i0_ + r / P_.G, t0, n, kTile, s)) continue;  // sees none of the tile
     float mx;
     {
       auto mv = S::load(s);

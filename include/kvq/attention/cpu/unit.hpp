@@ -3,6 +3,7 @@
 /// One work unit of the fused CPU attention (a chunk of tokens x a block of queries):
 /// class Unit runs the tiles and keeps the online-softmax state. Its members are defined in
 /// tiles_all_heads.hpp (AVX2 all-heads tiles), tiles_per_head.hpp, outliers.hpp and rope.hpp.
+#include "kvq/attention/cpu/mask.hpp"
 #include "kvq/attention/cpu/streams.hpp"
 
 namespace kvq {
@@ -19,14 +20,8 @@ class Unit {
     i0_ = qb * kQueryBlock;
     const int64_t i1 = std::min(P_.nq, i0_ + kQueryBlock);
     R_ = (i1 - i0_) * P_.G;
-    int64_t a = chunk * P_.split;
-    int64_t b = std::min(P_.T, a + P_.split);
-    if (P_.causal) b = std::min(b, P_.T - P_.nq + i1);  // last visible token + 1
-    if (P_.window > 0) {  // start at the first query's window: what precedes it (tokens a
-      // layer may have released) is never read, and no tile spans a gap in the segments
-      const int64_t last0 = P_.causal ? P_.T - P_.nq + i0_ : P_.T - 1;
-      a = std::max(a, last0 - P_.window + 1);
-    }
+    int64_t a, b;  // the chunk clipped to what the block's queries see (never read outside)
+    unit_range(P_, chunk, qb, a, b);
     const std::size_t nr = static_cast<std::size_t>(H * R_);
     sc_.sm.assign(nr, SoftmaxState<float>::empty());
     sc_.acc.assign(nr * static_cast<std::size_t>(D), 0.f);
