@@ -257,12 +257,15 @@ TEST(AttentionBatch, ThreadCountDoesNotChangeTheResult) {
             for (auto& t : th) t.join();
           };
         const auto out = bt.run(opt);
-        if (first.empty())
+        if (first.empty()) {
           first = out;
-        else
+        } else {
           ASSERT_EQ(0, std::memcmp(first.data(), out.data(), out.size() * sizeof(float)))
               << spec << " threads=" << threads << " mode=" << mode;
-        if (mode == 1 && threads > 1) EXPECT_EQ(calls, 1);
+        }
+        if (mode == 1 && threads > 1) {
+          EXPECT_EQ(calls, 1);
+        }
       }
   }
 }

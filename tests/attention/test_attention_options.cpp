@@ -278,6 +278,37 @@ TEST(AttentionOptions, ThreadCountDoesNotChangeTheResult) {
   }
 }
 
+// ---- "never split" written as a huge split_tokens (INT64_MAX) is one chunk: the same bits as
+// split_tokens = T, finite, compared with the oracle (it once overflowed and returned NaN).
+TEST(AttentionOptions, HugeSplitIsOneChunk) {
+  const int64_t T = 300, nq = 3, nh = 8, D = 64;
+  const KVCache c = filled_cache("k8v4", T, 2, D, 4);
+  const auto q = kvq_test::kv_data({nq, nh, D}, 6, false);
+  auto run = [&](int64_t split, int threads) {
+    AttentionOptions o;
+    o.split_tokens = split;
+    o.threads = threads;
+    std::vector<float> out(q.size(), 9.f);
+    AttentionWorkspace ws;
+    kvq::attend(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
+                KVView<float>::nhd(out.data(), nq, nh, D), true, ws, nullptr, o);
+    return out;
+  };
+  const std::vector<float> one = run(T, 1);
+  std::vector<float> ref(q.size());
+  kvq::reference::attend_ref(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
+                             KVView<float>::nhd(ref.data(), nq, nh, D), true, AttentionOptions{},
+                             nullptr);
+  EXPECT_LE(max_rel_row_error(one, ref, D), kTol);
+  for (int64_t split : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::max() - 1,
+                        int64_t{1} << 62, T + 1})
+    for (int threads : {1, 2}) {
+      const std::vector<float> out = run(split, threads);
+      ASSERT_EQ(0, std::memcmp(one.data(), out.data(), out.size() * sizeof(float)))
+          << "split_tokens=" << split << " threads=" << threads;
+    }
+}
+
 /// Runs attend with `o` and returns the error message (empty when it did not throw); the
 /// output must be untouched when it throws.
 std::string error_of(const AttentionOptions& o, int64_t nq = 2) {
