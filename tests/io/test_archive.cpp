@@ -816,6 +816,96 @@ TEST(ArchiveCorruption, OutlierPositionOutsideHeadDimIsRefused) {
   EXPECT_EQ(verify_error(img), "");
 }
 
+// A vector listing one channel twice: the fused kernels would add two corrections where
+// dequantize keeps one, so the page is refused however the CRCs were resealed.
+TEST(ArchiveCorruption, DuplicateOutlierPositionIsRefused) {
+  KVCache c(kvq::parse_policy("k=int4/channel/g8/out1,v=int4/token/g8/out2,residual=4"), 1, 2, 8);
+  fill(c, 39, 7);
+  const std::vector<uint8_t> good = io::save_archive_bytes(c);
+  io::ArchiveReader rd(good.data(), good.size());
+  const io::ArchiveInfo& info = rd.info();
+  const kvq::PageRegion& g = info.layers[0].layout.v.outlier_pos;  // 2 one-byte positions / vector
+  int pages = 0;
+  for (const io::ArchiveRecord& r : info.records) {
+    if (r.kind != io::RecordKind::kPage) continue;
+    ++pages;
+    std::vector<uint8_t> img = good;
+    const std::size_t last = r.payload_offset() + g.offset + g.bytes - 1;
+    ASSERT_NE(img[last], img[last - 1]);  // the quantizer wrote two distinct channels
+    img[last] = img[last - 1];
+    io::detail::reseal_archive(img);
+    kvq::ErrorKind kind{};
+    const std::string e = verify_error(img, &kind);
+    EXPECT_EQ(kind, kvq::ErrorKind::kIo) << e;
+    EXPECT_NE(e.find("value outlier position " + std::to_string(img[last]) + " appears twice in vector " +
+                     std::to_string(g.bytes / 2 - 1)), std::string::npos) << e;
+    EXPECT_NE(e.find(r.name()), std::string::npos) << e;
+    EXPECT_THROW(io::load_archive_bytes(img.data(), img.size()), kvq::Error);
+  }
+  EXPECT_GE(pages, 2);
+}
+
+// Metadata a quantizer never writes from finite data (NaN/Inf fp16 or f32 scales, zero points,
+// norms and outlier values; NVFP4 e4m3 NaN scales; MXFP4 E8M0 codes above 252) is refused in a
+// resealed archive, naming the tensor and region; the largest legal MXFP4 code loads.
+TEST(ArchiveCorruption, NonFiniteMetadataIsRefused) {
+  struct Poke {
+    const char* spec;
+    bool key;
+    const char* region;  // as the message names it
+    std::vector<uint8_t> bytes;  // written at the region's first slot
+    bool refused;
+  };
+  const std::vector<Poke> pokes = {
+      {"k=int4/channel/g8,v=int4/token/g8/f32meta,residual=4", true, "scales", {0x00, 0x7E}, true},
+      {"k=int4/channel/g8,v=int4/token/g8/f32meta,residual=4", true, "scales", {0x00, 0xFC}, true},
+      {"k=int4/channel/g8,v=int4/token/g8/f32meta,residual=4", false, "scales", {0, 0, 0x80, 0x7F}, true},
+      {"k=int4/channel/g8,v=int4/token/g8/f32meta,residual=4", false, "scales", {0, 0, 0xC0, 0xFF}, true},
+      {"k=int4/channel/g8,v=int4/token/g8/out2,residual=4", false, "outlier values", {0x00, 0x7C}, true},
+      {"k=lm3,v=lm2,residual=4", true, "norms", {0x01, 0x7C}, true},
+      {"k=nvfp4,v=mxfp4,residual=4", true, "scales", {0x7F}, true},
+      {"k=nvfp4,v=mxfp4,residual=4", true, "scales", {0xFF}, true},
+      {"k=nvfp4,v=mxfp4,residual=4", false, "scales", {255}, true},
+      {"k=nvfp4,v=mxfp4,residual=4", false, "scales", {253}, true},
+      {"k=nvfp4,v=mxfp4,residual=4", false, "scales", {252}, false},
+  };
+  int refused = 0;
+  for (const Poke& pk : pokes) {
+    KVCache c(kvq::parse_policy(pk.spec), 1, 2, 32);
+    fill(c, 80, 3);
+    const std::vector<uint8_t> good = io::save_archive_bytes(c);
+    ASSERT_EQ(verify_error(good), "") << pk.spec;
+    io::ArchiveReader rd(good.data(), good.size());
+    const io::ArchiveInfo& info = rd.info();
+    const kvq::TensorRegions& R = pk.key ? info.layers[0].layout.k : info.layers[0].layout.v;
+    const std::string region = pk.region;
+    const kvq::PageRegion& g = region == "scales" ? R.scales : region == "norms" ? R.norms : R.outlier_values;
+    ASSERT_GE(g.bytes, pk.bytes.size()) << pk.spec << " " << region;
+    const io::ArchiveRecord* page = nullptr;
+    for (const io::ArchiveRecord& r : info.records)
+      if (r.kind == io::RecordKind::kPage) page = &r;
+    ASSERT_NE(page, nullptr);
+    std::vector<uint8_t> img = good;
+    std::memcpy(img.data() + page->payload_offset() + g.offset, pk.bytes.data(), pk.bytes.size());
+    io::detail::reseal_archive(img);
+    kvq::ErrorKind kind{};
+    const std::string e = verify_error(img, &kind);
+    const std::string what = std::string(pk.key ? "key " : "value ") + region + " at page byte " +
+                             std::to_string(g.offset);
+    if (pk.refused) {
+      ++refused;
+      EXPECT_EQ(kind, kvq::ErrorKind::kIo) << pk.spec << " " << what << ": " << e;
+      EXPECT_NE(e.find(what), std::string::npos) << pk.spec << ": " << e;
+      EXPECT_NE(e.find(page->name()), std::string::npos) << e;
+      EXPECT_THROW(io::load_archive_bytes(img.data(), img.size()), kvq::Error);
+    } else {
+      EXPECT_EQ(e, "") << pk.spec << " " << what;
+      EXPECT_NO_THROW(io::load_archive_bytes(img.data(), img.size()));
+    }
+  }
+  std::printf("non-finite page metadata: %d resealed archives refused\n", refused);
+}
+
 // The layout of QuantConfig, Policy and KVCacheOptions is what the archive's config records
 // cover. A new field must be added to the format (and kArchiveVersion bumped): this fails first.
 TEST(Archive, FormatCoversEveryConfigField) {

@@ -471,29 +471,92 @@ inline void check_rows(const std::string& name, const ArchiveRecord& r, const fl
     }
 }
 
-/// Checks the one kind of index a page's bytes hold: every dense-and-sparse outlier position
-/// must be a channel (< head_dim), since the attention kernels and dequantization index codes
-/// and queries by it. A CRC cannot vouch for that (a hostile writer reseals), so a page that
-/// breaks it is refused here, naming the record, tensor and byte.
+/// Checks what a page's bytes hold that a CRC cannot vouch for (a hostile writer reseals), so
+/// that every reader of the page (dequantize, the fused CPU kernels, CUDA) agrees on it:
+///  - every dense-and-sparse outlier position is a channel (< head_dim), since the kernels
+///    index codes and queries by it, and no vector lists a channel twice (the fused kernels add
+///    one correction per entry where dequantize keeps the last);
+///  - every metadata value (scales, zero points, norms, QJL norms, outlier values) is finite:
+///    fp16/f32 slots without an all-ones exponent, NVFP4 e4m3 scales not 0x7F/0xFF, MXFP4 e8m0
+///    scales at most 252 (255 is E8M0's NaN; 253 and 254 are codes mx_scale_code never writes
+///    for a finite block, and 6 x 2^126 overflows float: the kernels would read an infinity).
+/// A page that breaks either is refused, naming the record, tensor, region and byte. Archive
+/// pages are whole pages (partial ones travel as f32 residual rows), so every vector is checked.
+/// Largest MXFP4 scale code a finite block gets: floor(log2(FLT_MAX)) + 127 - 2.
+inline constexpr uint8_t kMaxMxScaleCode = 252;
+
 inline void check_page_outliers(const ArchiveInfo& info, const ArchiveRecord& r,
                                 const uint8_t* page, std::size_t bytes) {
   const PageLayout& L = info.layers[static_cast<std::size_t>(r.layer)].layout;
   const int64_t D = info.head_dim;
+  const auto vectors = static_cast<std::size_t>(L.page_tokens * L.kv_heads);
   const int pb = outlier_pos_bytes(D);
-  const PageRegion* regions[2] = {&L.k.outlier_pos, &L.v.outlier_pos};
+  const TensorRegions* tensors[2] = {&L.k, &L.v};
+  const QuantConfig* configs[2] = {&L.key, &L.value};
+  std::vector<int64_t> seen;
   for (int t = 0; t < 2; ++t) {
-    const PageRegion& g = *regions[t];
-    if (g.bytes == 0) continue;
-    KVQ_REQUIRE(g.offset + g.bytes <= bytes, kIo, info.source, ": ", r.name(), ": ", bytes,
-                " payload bytes do not hold the outlier positions the layout places at [",
-                g.offset, ", ", g.offset + g.bytes, ")");
-    const uint8_t* p = page + g.offset;
-    for (std::size_t i = 0; i + static_cast<std::size_t>(pb) <= g.bytes; i += static_cast<std::size_t>(pb)) {
-      const int64_t c = pb == 1 ? p[i] : (p[i] | (p[i + 1] << 8));
-      KVQ_REQUIRE(c < D, kIo, info.source, ": ", r.name(), ": ", t == 0 ? "key" : "value",
-                  " outlier position ", c, " at page byte ", g.offset + i,
-                  " is not a channel of head_dim ", D, " (corrupt or hostile page)");
+    const char* tname = t == 0 ? "key" : "value";
+    const TensorRegions& R = *tensors[t];
+    const QuantConfig& cfg = *configs[t];
+    auto within = [&](const PageRegion& g, const char* what) {
+      KVQ_REQUIRE(g.offset + g.bytes <= bytes, kIo, info.source, ": ", r.name(), ": ", bytes,
+                  " payload bytes do not hold the ", tname, " ", what, " the layout places at [",
+                  g.offset, ", ", g.offset + g.bytes, ")");
+    };
+    // Outlier positions: channels, distinct within each vector.
+    const PageRegion& g = R.outlier_pos;
+    const auto per = static_cast<std::size_t>(outlier_count(cfg, D));
+    if (g.bytes > 0 && per > 0) {
+      within(g, "outlier positions");
+      const uint8_t* p = page + g.offset;
+      const std::size_t n = std::min(vectors * per, g.bytes / static_cast<std::size_t>(pb));
+      for (std::size_t v0 = 0; v0 < n; v0 += per) {
+        seen.clear();
+        for (std::size_t i = v0; i < v0 + per && i < n; ++i) {
+          const std::size_t at = i * static_cast<std::size_t>(pb);
+          const int64_t c = pb == 1 ? p[at] : (p[at] | (p[at + 1] << 8));
+          KVQ_REQUIRE(c < D, kIo, info.source, ": ", r.name(), ": ", tname, " outlier position ", c,
+                      " at page byte ", g.offset + at, " is not a channel of head_dim ", D,
+                      " (corrupt or hostile page)");
+          seen.push_back(c);
+        }
+        std::sort(seen.begin(), seen.end());
+        const auto dup = std::adjacent_find(seen.begin(), seen.end());
+        KVQ_REQUIRE(dup == seen.end(), kIo, info.source, ": ", r.name(), ": ", tname,
+                    " outlier position ", dup == seen.end() ? 0 : *dup, " appears twice in vector ",
+                    v0 / per, " of the page (positions at page bytes [", g.offset + v0 * pb, ", ",
+                    g.offset + (v0 + per) * pb, ")): each channel is an outlier at most once");
+      }
     }
+    // Metadata: finite.
+    auto meta = [&](const PageRegion& m, int slot, const char* what, bool fp4_scale) {
+      if (m.bytes == 0) return;
+      within(m, what);
+      const uint8_t* p = page + m.offset;
+      for (std::size_t i = 0; i + static_cast<std::size_t>(slot) <= m.bytes; i += static_cast<std::size_t>(slot)) {
+        bool bad;
+        if (fp4_scale)
+          bad = cfg.format == Format::kNvfp4 ? (p[i] & 0x7F) == 0x7F : p[i] > kMaxMxScaleCode;
+        else if (slot == 2)
+          bad = ((p[i] | (p[i + 1] << 8)) & 0x7C00) == 0x7C00;
+        else
+          bad = ((static_cast<uint32_t>(p[i]) | static_cast<uint32_t>(p[i + 1]) << 8 |
+                  static_cast<uint32_t>(p[i + 2]) << 16 | static_cast<uint32_t>(p[i + 3]) << 24) &
+                 0x7F800000u) == 0x7F800000u;
+        KVQ_REQUIRE(!bad, kIo, info.source, ": ", r.name(), ": ", tname, " ", what, " at page byte ",
+                    m.offset + i, fp4_scale && cfg.format == Format::kMxfp4
+                        ? cat(" is E8M0 code ", int{p[i]}, ", beyond ", int{kMaxMxScaleCode},
+                              " (NaN, or a scale no finite block gets)")
+                        : std::string(" is NaN or infinite"),
+                    " (corrupt or hostile page; a cache stores finite metadata only)");
+      }
+    };
+    const int msz = meta_size(cfg.meta);
+    meta(R.scales, static_cast<int>(scale_slot_bytes(cfg)), "scales", is_fp4(cfg.format));
+    meta(R.zeros, static_cast<int>(scale_slot_bytes(cfg)), "zero points", false);
+    meta(R.norms, msz, "norms", false);
+    meta(R.qjl_norms, msz, "QJL norms", false);
+    meta(R.outlier_values, 2, "outlier values", false);
   }
 }
 
