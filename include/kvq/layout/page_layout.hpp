@@ -55,7 +55,7 @@ struct PageRegion {
   std::size_t bytes = 0;
 };
 
-/// The six regions of one packed tensor (keys or values) inside a page.
+/// The eight regions of one packed tensor (keys or values) inside a page.
 struct TensorRegions {
   PageRegion codes, scales, zeros, norms, qjl_signs, qjl_norms;
   PageRegion outlier_values, outlier_pos;  ///< dense-and-sparse (quant/outlier_quant.hpp)
