@@ -23,12 +23,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "calibration_source.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/core/rope.hpp"
 #include "kvq/io/archive.hpp"
+#include "kvq/io/json.hpp"
 #include "kvq/io/kv_dump.hpp"
 #include "kvq/policy/spec.hpp"
 
@@ -52,21 +54,24 @@ void usage() {
   std::exit(2);
 }
 
+/// s as a JSON string: valid UTF-8 passes through (quotes, backslashes and control characters
+/// escaped by io::json_quote); a byte that starts no valid UTF-8 sequence (file names and notes
+/// are bytes) becomes U+FFFD, so the output is always JSON a strict parser accepts.
 std::string json_str(const std::string& s) {
-  std::string o = "\"";
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      o += '\\';
-      o += static_cast<char>(c);
-    } else if (c < 0x20) {
-      char b[8];
-      std::snprintf(b, sizeof b, "\\u%04x", c);
-      o += b;
+  std::string clean;
+  const std::string_view v(s);
+  for (std::size_t i = 0; i < v.size();) {
+    const auto c = static_cast<unsigned char>(v[i]);
+    const std::size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+    if (n > 0 && i + n <= v.size() && io::detail::valid_utf8(v.substr(i, n))) {
+      clean.append(v.substr(i, n));
+      i += n;
     } else {
-      o += static_cast<char>(c);
+      clean += "\xEF\xBF\xBD";  // U+FFFD
+      ++i;
     }
   }
-  return o + "\"";
+  return io::json_quote(clean);
 }
 
 std::string crc_hex(uint32_t c) {
