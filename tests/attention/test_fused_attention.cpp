@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -133,6 +134,50 @@ TEST(FusedAttention, EveryFormatPairMatchesTheOracle) {
       ++checked;
     }
   EXPECT_EQ(checked, static_cast<int>(kf.size() * vf.size()));
+}
+
+// ---- scale-group geometries beyond the 32-token / 32-channel groups of the sweep above: token
+// groups of 8/16/64 channels (the per-token metadata expansion), channel groups of 8/16/64
+// tokens, head and tensor axes with token groups, fp8 per-token groups; each as keys and as
+// values, next to a fixed partner and to another geometry, at three shapes (per-head tiles
+// GQA 4 and MQA-like GQA 1, all-heads tiles at 8 kv heads x head_dim 128), decode and prefill.
+TEST(FusedAttention, GroupGeometriesMatchTheOracle) {
+  const std::vector<std::string> geo = {
+      "int4/token/g8",    "int4/token/g16",  "int3/token/g64",  "sint4/token/g16",
+      "int2/token/g8",    "int4/channel/g8", "int4/channel/g16", "int2/channel/g64",
+      "sint8/channel/g16", "int4/head/g16",  "int8/head/g64",   "int3/tensor/g16",
+      "sint4/tensor/g64", "e4m3/token/g8",   "e4m3/token/g16",  "e5m2/token/g64",
+      "e4m3/head/g16",    "e4m3/head/g32",   "e5m2/tensor/g16", "int4/token/g16/f32meta",
+      "int4/channel/g8/f32meta"};
+  struct Shape3 {
+    int64_t H, D, G;
+  };
+  const Shape3 shapes[] = {{2, 64, 4}, {2, 128, 1}, {8, 128, 4}};
+  const int64_t T = 150;
+  int checked = 0;
+  const std::size_t n = geo.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::string specs[] = {"k=" + geo[i] + ",v=int4/token/g32,residual=8,sinks=3",
+                                 "k=e4m3/head,v=" + geo[i] + ",residual=8,sinks=3",
+                                 "k=" + geo[i] + ",v=" + geo[(i + 7) % n] + ",residual=5"};
+    for (const std::string& spec : specs)
+      for (const Shape3& sh : shapes) {
+        const KVCache c = filled_cache(spec, T, sh.H, sh.D, 17 + static_cast<uint32_t>(i));
+        for (int threads : {1, 2}) {
+          AttentionOptions opt;
+          opt.threads = threads;
+          opt.split_tokens = 64;
+          for (int64_t nq : {int64_t{1}, int64_t{13}}) {
+            const double e = fused_vs_oracle(c, sh.H * sh.G, nq, true, nullptr, opt);
+            ASSERT_LE(e, kTol) << spec << " H=" << sh.H << " D=" << sh.D << " G=" << sh.G
+                               << " threads=" << threads << " nq=" << nq;
+            ++checked;
+          }
+        }
+      }
+  }
+  EXPECT_EQ(checked, static_cast<int>(n * 3 * 3 * 2 * 2));
+  std::printf("group geometries: %d fused-vs-oracle cases\n", checked);
 }
 
 // ---- shapes: head_dim x GQA x threads x layout of the sequence, a few formats each.
