@@ -147,14 +147,14 @@ case "$cmd" in
     if [ "${KVQ_SKIP_SANITIZE:-0}" != "1" ]; then
       # ThreadSanitizer: only the concurrency tests (the thread-safety contract in
       # docs/reliability.md), only their target, so CI stays short.
-      echo "kvq: ThreadSanitizer pass (test_concurrency)" >&2
+      echo "kvq: ThreadSanitizer pass (test_concurrency, test_concurrency_portable_io)" >&2
       # The kernels compile scalar (KVQ_NO_SIMD): the threads, splits, merges and workspaces
       # under test are the same code at every SIMD level, and the SIMD instances would triple
       # this build's time (the ASan pass runs those).
-      KVQ_TARGETS=test_concurrency configure_build "${build}-tsan" -DCMAKE_BUILD_TYPE=Debug \
+      KVQ_TARGETS="test_concurrency test_concurrency_portable_io" configure_build "${build}-tsan" -DCMAKE_BUILD_TYPE=Debug \
         -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g -DKVQ_NO_SIMD=1" -DKVQ_TSAN=ON -DKVQ_BUILD_BENCH=OFF -DKVQ_CUDA=OFF
       (cd "${build}-tsan" && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-        ctest --output-on-failure -R '^test_concurrency$')
+        ctest --output-on-failure -R '^test_concurrency(_portable_io)?$')
     fi
     # 3. The Python module (python/): fresh venv, build tools from PyPI, build, pytest (no tests
     #    collected = failure). One module variant (this CPU); a release wheel builds

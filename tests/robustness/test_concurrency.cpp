@@ -10,7 +10,11 @@
 //   - const calls on one KVCache (read, attend with one AttentionWorkspace per thread,
 //     memory_report, for_each_segment, tokens) while no thread calls a non-const method;
 //   - anything on distinct KVCache objects (append, truncate, attend, ...);
-//   - parse_policy / spec() (pure functions).
+//   - parse_policy / spec() (pure functions);
+//   - attention that itself runs on several threads (AttentionOptions::threads > 1, or a
+//     caller's parallel_for), attend and attend_batch, from several outer threads at once;
+//   - several threads reading one ArchiveReader, or each its own (concurrent_archive_readers.hpp;
+//     test_concurrency_portable_io runs the same on the portable, non-POSIX file path).
 // Not allowed (not tested: undefined behaviour): a non-const KVCache call (append, truncate,
 // clear, reserve) concurrently with any other call on the same cache, even on another layer;
 // sharing one AttentionWorkspace or one QTensor output between threads.
@@ -18,6 +22,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,6 +31,7 @@
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/policy/spec.hpp"
 #include "kvq/quant/quantize.hpp"
+#include "robustness/concurrent_archive_readers.hpp"
 #include "robustness/robustness_util.hpp"
 
 namespace {
@@ -183,6 +189,103 @@ TEST(Concurrency, DistinctCachesAreIndependent) {
     kvq::AttentionWorkspace ws;
     EXPECT_TRUE(same_bits(got[i], reader_view(c, ws))) << specs[i];
   }
+}
+
+/// Attention of 5 causal queries (4 query heads) over layer 0 of each cache in `cs`: attend on
+/// each, then attend_batch over the caches of `bs` (one policy: their pages by pointer, sinks
+/// and tails as rows).
+std::vector<float> attention_view(const std::vector<const kvq::KVCache*>& cs,
+                                  const std::vector<const kvq::KVCache*>& bs,
+                                  const kvq::AttentionOptions& opt) {
+  const int64_t nq = 5, nh = 4, D = 32;
+  const std::vector<float> q = kvq_robust::normal({nq * static_cast<int64_t>(cs.size()), nh, D}, 9);
+  std::vector<float> all;
+  kvq::AttentionWorkspace ws;
+  for (std::size_t i = 0; i < cs.size(); ++i) {
+    std::vector<float> out(static_cast<std::size_t>(nq * nh * D));
+    kvq::attend(*cs[i], 0, kvq::KVView<const float>::nhd(q.data() + i * out.size(), nq, nh, D),
+                kvq::KVView<float>::nhd(out.data(), nq, nh, D), true, ws, nullptr, opt);
+    all.insert(all.end(), out.begin(), out.end());
+  }
+  const kvq::KVView<const float> none(nullptr, kvq::Shape{0, 2, D});
+  std::vector<const std::byte*> pages;
+  std::vector<int32_t> ids;
+  std::vector<int64_t> page_indptr{0}, tokens, query_indptr{0};
+  std::vector<kvq::KVView<const float>> sk, sv, tk, tv;
+  kvq::PagedKVBatch b;
+  for (const kvq::KVCache* c : bs) {
+    const kvq::PageTable pt = c->page_table(0);
+    b.layout = pt.layout;
+    for (int64_t j = 0; j < pt.n_pages; ++j) {
+      ids.push_back(static_cast<int32_t>(pages.size()));
+      pages.push_back(pt.pages[j]);
+    }
+    page_indptr.push_back(static_cast<int64_t>(ids.size()));
+    tokens.push_back(pt.tokens);
+    query_indptr.push_back(query_indptr.back() + nq);
+    kvq::KVView<const float> a = none, bv = none, t = none, tvv = none;
+    c->for_each_segment(0, [&](const kvq::CacheSegment& g) {
+      if (g.kind == kvq::CacheSegment::Kind::kSinks) {
+        a = g.key_rows;
+        bv = g.value_rows;
+      } else if (g.kind == kvq::CacheSegment::Kind::kResidual) {
+        t = g.key_rows;
+        tvv = g.value_rows;
+      }
+    });
+    sk.push_back(a);
+    sv.push_back(bv);
+    tk.push_back(t);
+    tv.push_back(tvv);
+  }
+  b.pages = pages.data();
+  b.pool_pages = static_cast<int64_t>(pages.size());
+  b.batch = static_cast<int64_t>(bs.size());
+  b.page_indptr = page_indptr.data();
+  b.page_ids = ids.data();
+  b.tokens = tokens.data();
+  b.query_indptr = query_indptr.data();
+  b.sink_k = sk.data();
+  b.sink_v = sv.data();
+  b.tail_k = tk.data();
+  b.tail_v = tv.data();
+  std::vector<float> out(static_cast<std::size_t>(query_indptr.back() * nh * D));
+  kvq::BatchAttentionWorkspace bws;
+  kvq::attend_batch(b, kvq::KVView<const float>::nhd(q.data(), query_indptr.back(), nh, D),
+                    kvq::KVView<float>::nhd(out.data(), query_indptr.back(), nh, D), true, bws,
+                    nullptr, opt);
+  all.insert(all.end(), out.begin(), out.end());
+  return all;
+}
+
+TEST(Concurrency, AttentionOnWorkerThreadsFromSeveralCallers) {
+  const kvq::KVCache a = filled_cache("kivi2,sinks=4", 51), b = filled_cache("k8v4", 52),
+                     c = filled_cache("k=lm3/qjl,v=int4/channel/g16,residual=8", 53);
+  const kvq::KVCache a2 = filled_cache("kivi2,sinks=4", 54), a3 = filled_cache("kivi2,sinks=4", 55);
+  const std::vector<const kvq::KVCache*> cs = {&a, &b, &c}, bs = {&a, &a2, &a3};
+  kvq::AttentionOptions one;
+  one.split_tokens = 16;  // several chunks per sequence: the merge runs
+  const std::vector<float> expect = attention_view(cs, bs, one);
+  std::vector<std::vector<float>> got(kThreads);
+  run_together([&](int i) {
+    kvq::AttentionOptions opt = one;
+    if (i % 2 == 0) {
+      opt.threads = 3;  // kvq's own std::threads
+    } else {
+      opt.threads = 2;  // the caller's parallel-for (an engine's pool)
+      opt.parallel_for = [](int64_t n, const std::function<void(int64_t)>& body) {
+        std::vector<std::thread> th;
+        for (int64_t k = 0; k < n; ++k) th.emplace_back(body, k);
+        for (auto& t : th) t.join();
+      };
+    }
+    got[i] = attention_view(cs, bs, opt);
+  });
+  for (int i = 0; i < kThreads; ++i) EXPECT_TRUE(same_bits(got[i], expect)) << "caller " << i;
+}
+
+TEST(Concurrency, ArchiveReadersOnSeveralThreads) {
+  kvq_concurrent_io::check_concurrent_readers("posix", kThreads);
 }
 
 TEST(Concurrency, PolicyParsingIsPure) {

@@ -174,6 +174,8 @@ class FileSource final : public Source {
       n -= static_cast<std::size_t>(got);
     }
 #else
+    // One stream, one position: readers on several threads take turns (docs/archive.md).
+    std::lock_guard<std::mutex> lock(mu_);
     in_.clear();
     in_.seekg(static_cast<std::streamoff>(off));
     in_.read(static_cast<char*>(dst), static_cast<std::streamsize>(n));
@@ -188,6 +190,7 @@ class FileSource final : public Source {
   int fd_ = -1;
 #else
   mutable std::ifstream in_;
+  mutable std::mutex mu_;
 #endif
 };
 

@@ -51,6 +51,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <optional>
 #include <string>
@@ -67,14 +68,21 @@
 #include "kvq/layout/page_layout.hpp"
 #include "kvq/policy/spec.hpp"
 
+// KVQ_ARCHIVE_POSIX: positioned reads (pread) and mmap where the platform has them; 0 selects
+// the portable path (std::ifstream under a mutex, files read into memory), which a build may
+// also ask for on a POSIX system (the tests do, to run it under ThreadSanitizer).
+#if !defined(KVQ_ARCHIVE_POSIX)
 #if defined(__unix__) || defined(__APPLE__)
 #define KVQ_ARCHIVE_POSIX 1
+#else
+#define KVQ_ARCHIVE_POSIX 0
+#endif
+#endif
+#if KVQ_ARCHIVE_POSIX
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#else
-#define KVQ_ARCHIVE_POSIX 0
 #endif
 
 namespace kvq {
