@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -209,13 +210,21 @@ TEST(AttentionBatch, GlobalRowOptionsMatchTheOracle) {
         const int64_t base = bt.seqs[s].T - bt.seqs[s].nq;
         return t < base || t - base <= r - bt.query_indptr[s];
       };
+    // each row's log-sum-exp, by global row; the oracle writes its own at the same rows
+    std::vector<float> lse(static_cast<std::size_t>(rows * kNh), 3.f), lse_ref(lse.size(), -3.f);
+    opt.lse = lse.data();
     const auto got = bt.run(opt);
+    AttentionOptions ropt = opt;
+    ropt.lse = lse_ref.data();
     for (std::size_t s = 0; s < bt.seqs.size(); ++s) {
       const Seq& sq = bt.seqs[s];
       const int64_t q0 = bt.query_indptr[s];
       if (sq.T == 0) {
         for (int64_t k = q0 * kNh * kD; k < (q0 + sq.nq) * kNh * kD; ++k)
           ASSERT_EQ(got[static_cast<std::size_t>(k)], 0.f);
+        for (int64_t k = q0 * kNh; k < (q0 + sq.nq) * kNh; ++k)
+          ASSERT_EQ(lse[static_cast<std::size_t>(k)], -std::numeric_limits<float>::infinity())
+              << "empty sequence " << s;
         continue;
       }
       std::vector<float> want(static_cast<std::size_t>(sq.nq * kNh * kD));
@@ -223,7 +232,15 @@ TEST(AttentionBatch, GlobalRowOptionsMatchTheOracle) {
       kvq::reference::attend_ref_segments(
           [&](auto&& fn) { sq.cache->for_each_segment(0, fn); }, sq.T, kH, kD,
           KVView<const float>::nhd(bt.q.data() + q0 * kNh * kD, sq.nq, kNh, kD),
-          KVView<float>::nhd(want.data(), sq.nq, kNh, kD), true, rws, nullptr, 0, opt, q0);
+          KVView<float>::nhd(want.data(), sq.nq, kNh, kD), true, rws, nullptr, 0, ropt, q0);
+      for (int64_t k = q0 * kNh; k < (q0 + sq.nq) * kNh; ++k) {
+        const float a = lse[static_cast<std::size_t>(k)], b = lse_ref[static_cast<std::size_t>(k)];
+        if (std::isinf(b)) {
+          ASSERT_EQ(a, b) << "case " << c << " sequence " << s << " row " << k;
+        } else {
+          ASSERT_NEAR(a, b, 1e-4 * (1.0 + std::fabs(b))) << "case " << c << " sequence " << s << " row " << k;
+        }
+      }
       for (int64_t i = 0; i < sq.nq; ++i)
         for (int64_t h = 0; h < kNh; ++h) {
           double mx = 1e-30, err = 0;

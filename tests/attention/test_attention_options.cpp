@@ -175,11 +175,24 @@ void check_all(const KVCache& c, int64_t nh, int64_t nq, const std::string& what
     cs.opt.threads = threads;
     cs.opt.split_tokens = split;
     std::vector<float> out(q.size(), 7.f), ref(q.size(), -7.f);
+    std::vector<float> lse(static_cast<std::size_t>(nq * nh), 5.f), lse_ref(lse.size(), -5.f);
     AttentionWorkspace ws;
+    cs.opt.lse = lse.data();
     kvq::attend(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
                 KVView<float>::nhd(out.data(), nq, nh, D), cs.causal, ws, rope, cs.opt);
+    cs.opt.lse = lse_ref.data();
     kvq::reference::attend_ref(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
                                KVView<float>::nhd(ref.data(), nq, nh, D), cs.causal, cs.opt, rope);
+    cs.opt.lse = nullptr;
+    // The log-sum-exp of every row (keys only: its error does not depend on the value format).
+    for (std::size_t r = 0; r < lse.size(); ++r) {
+      if (std::isinf(lse_ref[r])) {
+        ASSERT_EQ(lse[r], lse_ref[r]) << what << " " << cs.name << " row " << r;
+      } else {
+        ASSERT_NEAR(lse[r], lse_ref[r], 1e-4 * (1.0 + std::fabs(lse_ref[r])))
+            << what << " option case '" << cs.name << "' row " << r << " threads=" << threads;
+      }
+    }
     // 1-bit Lloyd-Max values in the scalar build: the fused path's known 2.3e-5 reading
     // (tests/CMakeLists.txt, test_fused_attention_scalar) reaches 2.6e-5 with a window.
     double tol = kTol;

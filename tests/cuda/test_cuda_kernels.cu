@@ -686,10 +686,13 @@ TEST(Gpu, DequantizeGivesTheBitsOfDequantizePage) {
   }
 }
 
-/// Double-precision decode attention over f32 keys/values [T, H, D] for queries [Hq, D].
+/// Double-precision decode attention over f32 keys/values [T, H, D] for queries [Hq, D]; the
+/// rows' log-sum-exp of the scaled scores into `lse` ([Hq]) when given (-inf for T == 0).
 std::vector<float> reference_decode(const std::vector<float>& k, const std::vector<float>& v,
-                                    int64_t T, int64_t H, int64_t D, const float* q, int64_t Hq) {
+                                    int64_t T, int64_t H, int64_t D, const float* q, int64_t Hq,
+                                    std::vector<double>* lse = nullptr) {
   std::vector<float> out(static_cast<std::size_t>(Hq * D), 0.f);
+  if (lse) lse->assign(static_cast<std::size_t>(Hq), -INFINITY);
   if (T == 0) return out;
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   for (int64_t hq = 0; hq < Hq; ++hq) {
@@ -710,6 +713,7 @@ std::vector<float> reference_decode(const std::vector<float>& k, const std::vect
       for (int64_t d = 0; d < D; ++d) acc[d] += w * v[(t * H + h) * D + d];
     }
     for (int64_t d = 0; d < D; ++d) out[hq * D + d] = static_cast<float>(acc[d] / l);
+    if (lse) (*lse)[static_cast<std::size_t>(hq)] = m + std::log(l);
   }
   return out;
 }
@@ -825,13 +829,26 @@ void decode_case(const DecodeCase& dc, bool device) {
   int32_t* dtokens = to_device(tokens);
   float* dq = to_device(q);
   float* dout = nullptr;
+  float* dlse = nullptr;
   CK(cudaMalloc(&dout, sizeof(float) * q.size()));
+  CK(cudaMalloc(&dlse, sizeof(float) * static_cast<std::size_t>(B * Hq)));
   plan.run(ws, dq, dtable, dindptr, dtokens, dout);  // twice: no state kept between runs
-  plan.run(ws, dq, dtable, dindptr, dtokens, dout);
+  plan.run(ws, dq, dtable, dindptr, dtokens, dout, nullptr, 0.f, dlse);
   CK(cudaDeviceSynchronize());
   const std::vector<float> got = to_host(dout, q.size());
+  const std::vector<float> got_lse = to_host(dlse, static_cast<std::size_t>(B * Hq));
   for (int64_t b = 0; b < B; ++b) {
-    const auto want = reference_decode(ks[b], vs[b], lens[b], kH, kD, q.data() + b * Hq * kD, Hq);
+    std::vector<double> want_lse;
+    const auto want =
+        reference_decode(ks[b], vs[b], lens[b], kH, kD, q.data() + b * Hq * kD, Hq, &want_lse);
+    for (int64_t h = 0; h < Hq; ++h) {
+      const double a = got_lse[static_cast<std::size_t>(b * Hq + h)], w = want_lse[static_cast<std::size_t>(h)];
+      if (lens[b] == 0) {
+        EXPECT_TRUE(std::isinf(a) && a < 0) << "empty sequence " << b << ": lse " << a;
+      } else {
+        EXPECT_NEAR(a, w, 1e-3 * (1.0 + std::fabs(w))) << "sequence " << b << " head " << h;
+      }
+    }
     double err = 0, mag = 0;
     for (int64_t i = 0; i < Hq * kD; ++i) {
       err = std::max(err, static_cast<double>(std::fabs(got[b * Hq * kD + i] - want[i])));
@@ -849,6 +866,7 @@ void decode_case(const DecodeCase& dc, bool device) {
   cudaFree(dtokens);
   cudaFree(dq);
   cudaFree(dout);
+  cudaFree(dlse);
 }
 
 /// Which tensors the tiled decode kernel reads with vector loads (the rest go element by

@@ -565,7 +565,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 
 /// Merge kernel. grid = (q_heads, batch), block = 128. out: [batch, q_heads, D] f32.
 __global__ void decode_merge_kernel(PagedDesc L, int q_heads, int splits, const float* part_acc,
-                                    const float* part_ml, float* out) {
+                                    const float* part_ml, float* out, float* lse) {
   __shared__ float x[kMaxHeadDim];
   __shared__ float scale_s;
   const int D = static_cast<int>(L.D);
@@ -579,6 +579,7 @@ __global__ void decode_merge_kernel(PagedDesc L, int q_heads, int splits, const 
     for (int s = 0; s < splits; ++s)
       if (ml[2 * s + 1] > 0.f) Lsum += ml[2 * s + 1] * expf(ml[2 * s] - M);
     scale_s = Lsum > 0.f ? 1.0f / Lsum : 0.f;
+    if (lse != nullptr) lse[row] = Lsum > 0.f ? M + logf(Lsum) : -INFINITY;
   }
   __syncthreads();
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
@@ -648,10 +649,14 @@ class DecodePlan {
   /// q: [batch, q_heads, head_dim] f32 (device); pages: device array of device page pointers,
   /// sequence b's pages at [page_indptr[b], page_indptr[b + 1]); seq_tokens[b] tokens each
   /// (every page full but the last); out: [batch, q_heads, head_dim] f32. sm_scale <= 0 means
-  /// 1/sqrt(head_dim). Asynchronous on `stream`, no allocation.
+  /// 1/sqrt(head_dim). lse (optional, device, [batch, q_heads] f32): each row's log-sum-exp of
+  /// its scaled scores, natural log, as AttentionOptions::lse on the CPU, so a caller merges
+  /// this output exactly with attention over rows kept elsewhere (f32 sinks, the residual
+  /// window): out = sum_i exp(lse_i - lse) out_i. A sequence with no tokens gives zeros and
+  /// lse -inf (attend_batch on the CPU does the same). Asynchronous on `stream`, no allocation.
   void run(void* workspace, const float* q, const std::byte* const* pages,
            const int32_t* page_indptr, const int32_t* seq_tokens, float* out,
-           cudaStream_t stream = nullptr, float sm_scale = 0.f) const {
+           cudaStream_t stream = nullptr, float sm_scale = 0.f, float* lse = nullptr) const {
     KVQ_REQUIRE(workspace != nullptr && q != nullptr && pages != nullptr &&
                     page_indptr != nullptr && seq_tokens != nullptr && out != nullptr,
                 kInvalidArgument, "cuda::DecodePlan::run: null device pointer");
@@ -701,7 +706,8 @@ class DecodePlan {
     detail::check_launch("kvq::cuda::decode_tile_kernel");
     detail::decode_merge_kernel<<<dim3(static_cast<unsigned>(q_heads_), static_cast<unsigned>(batch_)),
                                   128, 0, stream>>>(L_, static_cast<int>(q_heads_),
-                                                    static_cast<int>(splits_), part_acc, part_ml, out);
+                                                    static_cast<int>(splits_), part_acc, part_ml, out,
+                                                    lse);
     detail::check_launch("kvq::cuda::decode_merge_kernel");
   }
 

@@ -55,7 +55,8 @@ struct RefAttentionWorkspace {
 /// positions and masks) at p = positions[q_base + i], else tokens - n_q + i (causal) or the last
 /// token; kv position t is seen when (not causal or t <= p), (no window or t >= p - window + 1)
 /// and the custom mask (bits or callback) allows it; the sink logit of the query head adds
-/// exp(sink - max) to the denominator only. A row that sees no token is zeros.
+/// exp(sink - max) to the denominator only. A row that sees no token is zeros. opt.lse, when
+/// given, receives each row's log-sum-exp (sink included; -inf when nothing weighs).
 template <class ForEach>
 void attend_ref_segments(ForEach&& for_each, int64_t total_tokens, int64_t kv_heads,
                          int64_t head_dim, KVView<const float> q, KVView<float> out, bool causal,
@@ -185,6 +186,20 @@ void attend_ref_segments(ForEach&& for_each, int64_t total_tokens, int64_t kv_he
         ws.out_row[static_cast<std::size_t>(d)] =
             denom > 0.0 ? static_cast<float>(acc[d] / denom) : 0.f;
       detail::store_row(out, i, h, ws.out_row.data());
+      if (opt.lse != nullptr) {
+        // log(sum over the keys seen of exp(logit) + exp(sink)): the sink counts even for a
+        // row that sees no key (its output is zeros, but merged elsewhere it still weighs).
+        const double m = ws.run[qi].m, l = ws.run[qi].l;
+        const bool sink = opt.sinks != nullptr && std::isfinite(static_cast<double>(opt.sinks[h]));
+        double v = -std::numeric_limits<double>::infinity();
+        if (l > 0.0) v = m + std::log(l);
+        if (sink) {
+          const double sv = static_cast<double>(opt.sinks[h]);
+          const double hi = std::max(v, sv);
+          v = hi + std::log(std::exp(v - hi) + std::exp(sv - hi));
+        }
+        opt.lse[(q_base + i) * nh + h] = static_cast<float>(v);
+      }
     }
 }
 

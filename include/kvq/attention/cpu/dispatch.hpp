@@ -135,11 +135,14 @@ void run_problems(Problem* P, Workspace* W, const KVView<const float>* q, const 
     if (P[p].nq == 0) continue;
     if (P[p].T == 0) {
       for (int64_t i = 0; i < out[p].tokens(); ++i)
-        for (int64_t h = 0; h < out[p].heads(); ++h)
+        for (int64_t h = 0; h < out[p].heads(); ++h) {
           for (int64_t d = 0; d < out[p].head_dim(); ++d) out[p].at(i, h, d) = 0.f;
+          if (opt.lse != nullptr)
+            opt.lse[(P[p].q_base + i) * out[p].heads() + h] = -std::numeric_limits<float>::infinity();
+        }
       continue;
     }
-    merge_units(P[p], W[p], out[p], opt.sinks);
+    merge_units(P[p], W[p], out[p], opt.sinks, opt.lse);
   }
 }
 

@@ -13,6 +13,8 @@
 /// unit's result is computed by the same code whichever worker runs it and merged in chunk
 /// order, so the output is bit-identical for any number of threads.
 #include <atomic>
+#include <cmath>
+#include <limits>
 
 #include "kvq/attention/cpu/unit.hpp"
 
@@ -71,9 +73,11 @@ void run_all(const Problem* P, Workspace* W, std::size_t np, std::vector<Scratch
 }
 
 /// Merges the chunk results of problem P (fixed chunk order) with the sink logits (`sinks`,
-/// [n_heads] or null) and writes `out`. A row that sees no token (and no sink) is zeros; a row
-/// whose only mass is its sink is zeros too (the sink has no value).
-inline void merge_units(const Problem& P, Workspace& ws, KVView<float> out, const float* sinks) {
+/// [n_heads] or null) and writes `out` (and, when `lse` is given, each row's log-sum-exp at
+/// global row P.q_base + i). A row that sees no token (and no sink) is zeros with lse -inf; a
+/// row whose only mass is its sink is zeros too (the sink has no value).
+inline void merge_units(const Problem& P, Workspace& ws, KVView<float> out, const float* sinks,
+                        float* lse) {
   const int64_t D = P.D, G = P.G;
   const std::size_t stride = static_cast<std::size_t>(P.H * kQueryBlock * G);
   ws.out_row.resize(static_cast<std::size_t>(D));
@@ -104,6 +108,9 @@ inline void merge_units(const Problem& P, Workspace& ws, KVView<float> out, cons
         for (int64_t d = 0; d < D; ++d) o[d] += f * a[d];
       }
       if (sink) L += softmax_exp(sinks[hq] - M);
+      if (lse != nullptr)
+        lse[(P.q_base + i) * P.nh + hq] =
+            L > 0.f ? M + std::log(L) : -std::numeric_limits<float>::infinity();
       if (L > 0.f) {
         const float inv = 1.f / L;
         for (int64_t d = 0; d < D; ++d) o[d] *= inv;

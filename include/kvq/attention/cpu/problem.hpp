@@ -74,6 +74,13 @@ struct AttentionOptions {
   /// Attention-sink logits (gpt-oss), one f32 per query head ([n_heads]; nullptr = none): each
   /// adds exp(sink - m) to the softmax denominator only (it has no value). Not NaN or +inf.
   const float* sinks = nullptr;
+  /// Optional output: the log-sum-exp of each query row and head ([n_q, n_heads] f32,
+  /// row-major; attend_batch: indexed by the global query row), log(sum exp(logit)) over the
+  /// keys the row sees (after scale, soft-cap and masks; sink logits included), natural log;
+  /// -inf for a row that sees nothing (its output is zeros). With it a caller merges this
+  /// output exactly with attention it computed elsewhere over other keys (out = sum_i
+  /// exp(lse_i - lse) out_i, lse = log sum_i exp(lse_i)). Written only when the call succeeds.
+  float* lse = nullptr;
 };
 
 namespace kernels {
