@@ -15,7 +15,14 @@
 /// relative output error for every format. Long contexts are split into chunks of
 /// AttentionOptions::split_tokens (default 4096) merged in a fixed order: the result depends
 /// on the split, never on the number of threads.
+///
+/// Queries and outputs may also be f16 or bf16 (the overloads at the end of this file, for
+/// attend, attend_pages and attend_batch): queries are widened to f32 exactly, the f32 path
+/// runs, and each output is rounded to nearest even, so a half-precision call returns the f32
+/// call's output rounded, bit for bit. The conversion costs O(n_q x n_heads x head_dim) and
+/// reuses the workspace.
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "kvq/cache/kv_cache.hpp"
@@ -31,6 +38,7 @@ namespace kvq {
 /// allocates only when the context outgrows every earlier one; tests count allocations).
 struct AttentionWorkspace {
   kernels::attn::Workspace w;
+  std::vector<float> q_f32, out_f32;  ///< f16/bf16 calls: the widened queries and f32 output
 };
 
 /// Attention of the queries `q` ([n_q, n_heads, head_dim]) over the segments `segs` (in token
@@ -157,6 +165,7 @@ struct PagedKVBatch {
 /// Scratch of attend_batch (reused: a later call with no larger shape allocates nothing).
 struct BatchAttentionWorkspace {
   kernels::attn::BatchWorkspace w;
+  std::vector<float> q_f32, out_f32;  ///< f16/bf16 calls: the widened queries and f32 output
 };
 
 /// Decode or chunked prefill of a batch of sequences in one call: the queries `q`
@@ -266,6 +275,73 @@ inline void attend_one(const KVCache& cache, int layer, const float* q, int n_he
   const int D = cache.head_dim();
   attend(cache, layer, KVView<const float>::nhd(q, 1, n_heads, D),
          KVView<float>::nhd(out, 1, n_heads, D), true, ws, key_rope, opt);
+}
+
+// ---- f16 / bf16 queries and outputs -----------------------------------------------------
+
+namespace detail {
+
+template <class T>
+inline constexpr bool is_half_v = std::is_same_v<T, f16> || std::is_same_v<T, bf16>;
+
+/// Widens `q` into `qb` (exact), runs call(q32, out32) into `ob`, rounds `ob` into `out` (to
+/// nearest even). Shapes are checked first; when the call throws, `out` is untouched.
+template <class T, class Call>
+void with_f32_io(KVView<const T> q, KVView<T> out, std::vector<float>& qb, std::vector<float>& ob,
+                 const char* what, Call&& call) {
+  KVQ_REQUIRE(out.shape() == q.shape(), kShapeMismatch, what, ": output ", out.shape().str(),
+              " does not match the queries ", q.shape().str());
+  const int64_t n = q.tokens(), h = q.heads(), d = q.head_dim();
+  const auto count = static_cast<std::size_t>(n * h * d);
+  qb.resize(count);
+  ob.resize(count);
+  std::size_t k = 0;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < h; ++j)
+      for (int64_t c = 0; c < d; ++c) qb[k++] = static_cast<float>(q.at(i, j, c));
+  call(KVView<const float>::nhd(qb.data(), n, h, d), KVView<float>::nhd(ob.data(), n, h, d));
+  k = 0;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < h; ++j)
+      for (int64_t c = 0; c < d; ++c) out.at(i, j, c) = T(ob[k++]);
+}
+
+}  // namespace detail
+
+/// attend() with f16 or bf16 queries and outputs (see the file comment).
+template <class T, std::enable_if_t<detail::is_half_v<T>, int> = 0>
+inline void attend(const KVCache& cache, int layer, KVView<const T> q, KVView<T> out, bool causal,
+                   AttentionWorkspace& ws, const RopeConfig* key_rope = nullptr,
+                   const AttentionOptions& opt = {}) {
+  detail::with_f32_io(q, out, ws.q_f32, ws.out_f32, "attend",
+                      [&](KVView<const float> q32, KVView<float> o32) {
+                        attend(cache, layer, q32, o32, causal, ws, key_rope, opt);
+                      });
+}
+
+/// attend_pages() with f16 or bf16 queries and outputs (the sink/tail rows stay f32).
+template <class T, std::enable_if_t<detail::is_half_v<T>, int> = 0>
+inline void attend_pages(const PageTable& table, KVView<const float> sink_k,
+                         KVView<const float> sink_v, KVView<const float> tail_k,
+                         KVView<const float> tail_v, KVView<const T> q, KVView<T> out, bool causal,
+                         AttentionWorkspace& ws, const RopeConfig* key_rope = nullptr,
+                         const AttentionOptions& opt = {}) {
+  detail::with_f32_io(q, out, ws.q_f32, ws.out_f32, "attend_pages",
+                      [&](KVView<const float> q32, KVView<float> o32) {
+                        attend_pages(table, sink_k, sink_v, tail_k, tail_v, q32, o32, causal, ws,
+                                     key_rope, opt);
+                      });
+}
+
+/// attend_batch() with f16 or bf16 queries and outputs.
+template <class T, std::enable_if_t<detail::is_half_v<T>, int> = 0>
+inline void attend_batch(const PagedKVBatch& b, KVView<const T> q, KVView<T> out, bool causal,
+                         BatchAttentionWorkspace& ws, const RopeConfig* key_rope = nullptr,
+                         const AttentionOptions& opt = {}) {
+  detail::with_f32_io(q, out, ws.q_f32, ws.out_f32, "attend_batch",
+                      [&](KVView<const float> q32, KVView<float> o32) {
+                        attend_batch(b, q32, o32, causal, ws, key_rope, opt);
+                      });
 }
 
 }  // namespace kvq
