@@ -20,7 +20,7 @@
 // Besides the presets, BM_Decode/<name>/32768 for KVQuant-style caches (kExtraPolicies): nuq
 // codebooks (calibrated once on other synthetic data) and 1% dense-and-sparse outliers, both
 // read in the fused kernels.
-//   BM_DecodeBatch/<policy>/<seqs>x<tokens>/threads:<n>
+//   BM_DecodeBatch/<policy>/<seqs>x<tokens>/threads:<n>   (16x2048, 4x32768, 1x32768)
 //                                 attend_batch: one decode query per sequence for <seqs>
 //                                 sequences of <tokens> tokens each, their pages copied into one
 //                                 pool (distinct bytes per sequence), <n> workers (std::threads).
@@ -383,7 +383,7 @@ int register_all() {
         ->Unit(benchmark::kMillisecond);
   }
   for (const char* p : {"f16", "k8v4", "kivi4"})
-    for (const auto& st : {std::pair<int64_t, int64_t>{16, 2048}, {4, 32768}})
+    for (const auto& st : {std::pair<int64_t, int64_t>{16, 2048}, {4, 32768}, {1, 32768}})
       for (int th : {1, 2})
         benchmark::RegisterBenchmark(
             ("BM_DecodeBatch/" + std::string(p) + "/" + std::to_string(st.first) + "x" +

@@ -178,6 +178,57 @@ int decode_table(std::map<std::string, std::vector<double>>& bps,
   return missed;
 }
 
+/// BM_DecodeBatch/<policy>/<seqs>x<tokens>/threads:<n>: cached tokens/s at each thread count
+/// and the scaling over one thread. Targets (issue 30): 2 threads >= 1.8x one thread for the
+/// 16x2048 batch and for one 32768-token sequence (1x32768). Returns targets missed.
+int batch_table(std::map<std::string, std::vector<double>>& ips) {
+  // "<policy>/<shape>" -> threads -> median tokens/s
+  std::map<std::string, std::map<int, double>> rows;
+  for (const auto& kv : ips) {
+    const std::string& n = kv.first;
+    if (n.rfind("BM_DecodeBatch/", 0) != 0) continue;
+    const auto at = n.rfind("/threads:");
+    if (at == std::string::npos) continue;
+    rows[n.substr(15, at - 15)][std::atoi(n.c_str() + at + 9)] = median(kv.second);
+  }
+  if (rows.empty()) return 0;
+  int most = 1;
+  for (const auto& r : rows)
+    for (const auto& t : r.second) most = std::max(most, t.first);
+  std::printf("| batch decode | tokens/s at 1 thread |");
+  for (int t = 2; t <= most; ++t) std::printf(" %d threads | scaling |", t);
+  std::printf(" target |\n|---|---|");
+  for (int t = 2; t <= most; ++t) std::printf("---|---|");
+  std::printf("---|\n");
+  int missed = 0;
+  for (const auto& r : rows) {
+    const auto one = r.second.find(1);
+    std::printf("| %s | %s |", r.first.c_str(),
+                one != r.second.end() ? std::to_string(static_cast<long long>(one->second)).c_str() : "?");
+    double two = -1;
+    for (int t = 2; t <= most; ++t) {
+      const auto it = r.second.find(t);
+      if (it == r.second.end() || one == r.second.end()) {
+        std::printf(" ? | ? |");
+        continue;
+      }
+      const double sc = it->second / one->second;
+      if (t == 2) two = sc;
+      std::printf(" %lld | %.2fx |", static_cast<long long>(it->second), sc);
+    }
+    std::string target;
+    const std::string shape = r.first.substr(r.first.find('/') + 1);
+    if (shape == "16x2048" || shape == "1x32768") {
+      const bool ok = two >= 1.8;
+      if (!ok) ++missed;
+      target = std::string("2 threads >= 1.8x ") + (ok ? "ok" : "MISSED");
+    }
+    std::printf(" %s |\n", target.c_str());
+  }
+  std::printf("\n");
+  return missed;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -232,16 +283,17 @@ int main(int argc, char** argv) {
     }
     print_context(doc);
     int missed = decode_table(bps, ips, kvb, fpt);
+    missed += batch_table(ips);
     if (!bps.count("BM_Memcpy")) {
       // a decode-only run (BM_Decode + BM_StreamRead) has its table above; the other targets
       // are ratios to BM_Memcpy
       bool other = false;
       for (const std::string& n : order)
         other = other || (n.rfind("BM_Decode/", 0) != 0 && n.rfind("BM_StreamRead/", 0) != 0 &&
-                          n != "BM_FmaPeak");
+                          n.rfind("BM_DecodeBatch/", 0) != 0 && n != "BM_FmaPeak");
       if (other || order.empty())
         throw std::runtime_error("the run has no BM_Memcpy (the ratios below are to it)");
-      std::printf("(no BM_Memcpy in this run: only the decode table)\n\n%d target(s) missed\n",
+      std::printf("(no BM_Memcpy in this run: only the decode tables)\n\n%d target(s) missed\n",
                   missed);
       return check && missed > 0 ? 3 : 0;
     }
