@@ -2,8 +2,8 @@
 /// \file softmax.hpp
 /// The online-softmax state, written once for host and device: a running maximum m and the
 /// running sum l of exp(score - m) for one query row. The fused CPU kernels (per tile and when
-/// merging the flash-decoding chunks) and the attention oracle (per segment, in double) keep
-/// their rows in it; the accumulators that go with a row stay with the caller, which rescales
+/// merging the flash-decoding chunks), the CUDA decode (merging its warps and splits) and the
+/// attention oracle (per segment, in double) keep their rows in it; the accumulators that go with a row stay with the caller, which rescales
 /// them by the factor raise() returns.
 #include "kvq/config.hpp"
 

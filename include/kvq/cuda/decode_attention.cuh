@@ -27,6 +27,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "kvq/core/softmax.hpp"
 #include "kvq/cuda/common.cuh"
 
 namespace kvq {
@@ -539,7 +540,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     __syncthreads();
     float M = -INFINITY;
     for (int w = 0; w < kDecodeWarps; ++w) M = fmaxf(M, m_s[w][g]);
-    const float f = (m[g] == -INFINITY) ? 0.f : __expf(m[g] - M);
+    // A warp that saw no token of the split has m = -inf and l = 0: weight 0.
+    const auto fast_exp = [](float x) { return __expf(x); };
+    const float f = SoftmaxState<float>{m[g], l[g]}.weight(M, fast_exp);
     if (slot == 0) {
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc_s[warp][d0 + j] = acc[g][j] * f;
@@ -554,8 +557,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     }
     if (threadIdx.x == 0) {
       float Lsum = 0.f;
-      for (int w = 0; w < kDecodeWarps; ++w)
-        if (m_s[w][g] != -INFINITY) Lsum += l_s[w][g] * __expf(m_s[w][g] - M);
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        const SoftmaxState<float> st{m_s[w][g], l_s[w][g]};
+        if (st.l > 0.f) Lsum += st.l * st.weight(M, fast_exp);
+      }
       part_ml[base * 2] = M;
       part_ml[base * 2 + 1] = Lsum;
     }
@@ -571,21 +576,29 @@ __global__ void decode_merge_kernel(PagedDesc L, int q_heads, int splits, const 
   const int D = static_cast<int>(L.D);
   const int64_t row = static_cast<int64_t>(blockIdx.y) * q_heads + blockIdx.x;
   const float* ml = part_ml + row * splits * 2;
+  // Each split's partial (m, l) is a SoftmaxState; the common maximum M is the largest m of
+  // the non-empty ones and each contributes with its weight() (the CPU merge does the same).
+  const auto split_state = [ml](int s) { return SoftmaxState<float>{ml[2 * s], ml[2 * s + 1]}; };
+  const auto exact_exp = [](float x) { return expf(x); };
   float M = -INFINITY;
   for (int s = 0; s < splits; ++s)
-    if (ml[2 * s + 1] > 0.f) M = fmaxf(M, ml[2 * s]);
+    if (split_state(s).l > 0.f) M = fmaxf(M, split_state(s).m);
   if (threadIdx.x == 0) {
     float Lsum = 0.f;
-    for (int s = 0; s < splits; ++s)
-      if (ml[2 * s + 1] > 0.f) Lsum += ml[2 * s + 1] * expf(ml[2 * s] - M);
+    for (int s = 0; s < splits; ++s) {
+      const SoftmaxState<float> st = split_state(s);
+      if (st.l > 0.f) Lsum += st.l * st.weight(M, exact_exp);
+    }
     scale_s = Lsum > 0.f ? 1.0f / Lsum : 0.f;
     if (lse != nullptr) lse[row] = Lsum > 0.f ? M + logf(Lsum) : -INFINITY;
   }
   __syncthreads();
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float a = 0.f;
-    for (int s = 0; s < splits; ++s)
-      if (ml[2 * s + 1] > 0.f) a += part_acc[(row * splits + s) * D + d] * expf(ml[2 * s] - M);
+    for (int s = 0; s < splits; ++s) {
+      const SoftmaxState<float> st = split_state(s);
+      if (st.l > 0.f) a += part_acc[(row * splits + s) * D + d] * st.weight(M, exact_exp);
+    }
     x[d] = a * scale_s;
   }
   __syncthreads();
