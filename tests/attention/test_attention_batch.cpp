@@ -370,4 +370,98 @@ TEST(AttentionBatch, BadTablesThrowNamingTheProblem) {
   }
 }
 
+// ---- CacheBatch: several KVCaches gathered into one batch. Each sequence's rows equal attend()
+// over its own cache bit for bit (attend reads the cache's segments, not a page table), for
+// decode and for several query rows, with an empty cache among them; the batch follows the
+// caches as they grow; caches laid out differently, a null cache, a wrong query list and a
+// missing layer are refused naming the sequence, and the previous batch stays usable.
+TEST(AttentionBatch, CacheBatchEqualsAttendPerCache) {
+  const std::vector<int64_t> lens = {300, 0, 77, 129};
+  for (const std::string spec : {"kivi4,sinks=3", "k8v4", "k=lm3,v=int4/token/g32,residual=16"}) {
+    std::vector<std::unique_ptr<KVCache>> cs;
+    std::vector<const KVCache*> ptrs;
+    for (std::size_t s = 0; s < lens.size(); ++s) {
+      cs.push_back(std::make_unique<KVCache>(kvq::parse_policy(spec), 2, static_cast<int>(kH),
+                                             static_cast<int>(kD)));
+      for (int layer = 0; layer < 2; ++layer) {
+        if (lens[s] == 0) continue;
+        const auto kd = kvq_test::kv_data({lens[s], kH, kD}, 300 + static_cast<uint32_t>(s + 7 * layer), true);
+        const auto vd = kvq_test::kv_data({lens[s], kH, kD}, 400 + static_cast<uint32_t>(s + 7 * layer), false);
+        cs.back()->append(layer, KVView<const float>::nhd(kd.data(), lens[s], kH, kD),
+                          KVView<const float>::nhd(vd.data(), lens[s], kH, kD));
+      }
+      ptrs.push_back(cs.back().get());
+    }
+    kvq::CacheBatch cb;
+    kvq::BatchAttentionWorkspace bws;
+    kvq::AttentionWorkspace ws;
+    for (const std::vector<int64_t>& nq : {std::vector<int64_t>{1, 1, 1, 1}, std::vector<int64_t>{3, 0, 1, 5}}) {
+      const int64_t rows = nq[0] + nq[1] + nq[2] + nq[3];
+      std::vector<float> q = kvq_test::kv_data({rows, kNh, kD}, 77, false);
+      for (int layer = 0; layer < 2; ++layer) {
+        const kvq::PagedKVBatch& b = cb.gather(ptrs, layer, nq);
+        ASSERT_EQ(cb.total_queries(), rows);
+        std::vector<float> out(q.size(), 42.f);
+        kvq::attend_batch(b, KVView<const float>::nhd(q.data(), rows, kNh, kD),
+                          KVView<float>::nhd(out.data(), rows, kNh, kD), true, bws);
+        int64_t r0 = 0;
+        for (std::size_t s = 0; s < lens.size(); ++s) {
+          const std::size_t n = static_cast<std::size_t>(nq[s] * kNh * kD);
+          const std::size_t at = static_cast<std::size_t>(r0 * kNh * kD);
+          if (lens[s] == 0) {
+            for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(out[at + i], 0.f) << spec;
+          } else if (nq[s] > 0) {
+            std::vector<float> want(n);
+            kvq::attend(*ptrs[s], layer, KVView<const float>::nhd(q.data() + at, nq[s], kNh, kD),
+                        KVView<float>::nhd(want.data(), nq[s], kNh, kD), true, ws);
+            for (std::size_t i = 0; i < n; ++i)
+              ASSERT_EQ(out[at + i], want[i]) << spec << " layer " << layer << " sequence " << s << " at " << i;
+          }
+          r0 += nq[s];
+        }
+      }
+    }
+    // One more decode token in every cache: a new gather follows the new pages and rows.
+    for (std::size_t s = 0; s < lens.size(); ++s) {
+      const auto kd = kvq_test::kv_data({1, kH, kD}, 500 + static_cast<uint32_t>(s), true);
+      const auto vd = kvq_test::kv_data({1, kH, kD}, 600 + static_cast<uint32_t>(s), false);
+      cs[s]->append(0, KVView<const float>::nhd(kd.data(), 1, kH, kD), KVView<const float>::nhd(vd.data(), 1, kH, kD));
+    }
+    const kvq::PagedKVBatch& b = cb.gather(ptrs, 0);
+    std::vector<float> q = kvq_test::kv_data({4, kNh, kD}, 78, false), out(q.size());
+    kvq::attend_batch(b, KVView<const float>::nhd(q.data(), 4, kNh, kD), KVView<float>::nhd(out.data(), 4, kNh, kD),
+                      true, bws);
+    for (std::size_t s = 0; s < lens.size(); ++s) {
+      std::vector<float> want(static_cast<std::size_t>(kNh * kD));
+      kvq::attend_one(*ptrs[s], 0, q.data() + s * want.size(), kNh, want.data(), ws);
+      for (std::size_t i = 0; i < want.size(); ++i)
+        ASSERT_EQ(out[s * want.size() + i], want[i]) << spec << " after a decode token, sequence " << s;
+    }
+  }
+  // Refusals, naming the sequence; the previous batch stays in place.
+  KVCache a(kvq::parse_policy("kivi4"), 1, static_cast<int>(kH), static_cast<int>(kD));
+  KVCache k8(kvq::parse_policy("k8v4"), 1, static_cast<int>(kH), static_cast<int>(kD));
+  KVCache other_heads(kvq::parse_policy("kivi4"), 1, 4, static_cast<int>(kD));
+  kvq::CacheBatch cb;
+  cb.gather({&a, &a}, 0);
+  auto refused = [&](const std::vector<const KVCache*>& cs, int layer, const std::vector<int64_t>& nq,
+                     const std::string& word) {
+    std::string msg;
+    try {
+      cb.gather(cs, layer, nq);
+    } catch (const kvq::Error& e) {
+      msg = e.what();
+    }
+    EXPECT_NE(msg.find(word), std::string::npos) << "expected '" << word << "', got '" << msg << "'";
+    EXPECT_EQ(cb.batch().batch, 2);
+    EXPECT_EQ(cb.total_queries(), 2);
+  };
+  refused({&a, &k8}, 0, {1, 1}, "sequence 1 (k=e4m3");
+  refused({&a, &a, &other_heads}, 0, {1, 1, 1}, "layer 0 of sequence 2");
+  refused({&a, nullptr}, 0, {1, 1}, "cache of sequence 1 is null");
+  refused({&a, &a}, 0, {1}, "2 caches but 1 query counts");
+  refused({&a, &a}, 0, {1, -2}, "sequence 1 has -2 query rows");
+  refused({&a, &a}, 1, {1, 1}, "layer 1 does not exist in the cache of sequence 0");
+}
+
 }  // namespace

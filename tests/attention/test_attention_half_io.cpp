@@ -151,36 +151,14 @@ void check_pages_and_batch() {
   std::vector<T> q16;
   std::vector<float> q32;
   make_queries<T>(2, 9, &q16, &q32);  // one decode query per sequence
-  const KVCache* cs[2] = {&a, &b};
-  std::vector<const std::byte*> pages;
-  std::vector<int32_t> ids;
-  std::vector<int64_t> page_indptr{0}, tokens, query_indptr{0, 1, 2};
-  std::vector<KVView<const float>> sk, sv, tk, tv;
-  kvq::PagedKVBatch pb;
+  const std::vector<const KVCache*> cs = {&a, &b};
+  kvq::CacheBatch cb;  // one decode query per sequence
+  const kvq::PagedKVBatch& pb = cb.gather(cs, 0);
   kvq::AttentionWorkspace ws;
   for (int s = 0; s < 2; ++s) {
-    const kvq::PageTable pt = cs[s]->page_table(0);
-    pb.layout = pt.layout;
-    for (int64_t j = 0; j < pt.n_pages; ++j) {
-      ids.push_back(static_cast<int32_t>(pages.size()));
-      pages.push_back(pt.pages[j]);
-    }
-    page_indptr.push_back(static_cast<int64_t>(ids.size()));
-    tokens.push_back(pt.tokens);
-    KVView<const float> none(nullptr, kvq::Shape{0, 2, D}), k0 = none, v0 = none, k1 = none, v1 = none;
-    cs[s]->for_each_segment(0, [&](const kvq::CacheSegment& g) {
-      if (g.kind == kvq::CacheSegment::Kind::kSinks) {
-        k0 = g.key_rows;
-        v0 = g.value_rows;
-      } else if (g.kind == kvq::CacheSegment::Kind::kResidual) {
-        k1 = g.key_rows;
-        v1 = g.value_rows;
-      }
-    });
-    sk.push_back(k0);
-    sv.push_back(v0);
-    tk.push_back(k1);
-    tv.push_back(v1);
+    const kvq::PageTable pt = cs[static_cast<std::size_t>(s)]->page_table(0);
+    const KVView<const float> &k0 = pb.sink_k[s], &v0 = pb.sink_v[s], &k1 = pb.tail_k[s],
+                              &v1 = pb.tail_v[s];
     // attend_pages, one sequence
     std::vector<float> want(static_cast<std::size_t>(nh * D));
     kvq::attend_pages(pt, k0, v0, k1, v1, KVView<const float>::nhd(q32.data() + s * nh * D, 1, nh, D),
@@ -191,17 +169,6 @@ void check_pages_and_batch() {
     for (std::size_t i = 0; i < want.size(); ++i)
       ASSERT_EQ(bits_of(got[i]), round_bits<T>(want[i])) << "attend_pages sequence " << s << " at " << i;
   }
-  pb.pages = pages.data();
-  pb.pool_pages = static_cast<int64_t>(pages.size());
-  pb.batch = 2;
-  pb.page_indptr = page_indptr.data();
-  pb.page_ids = ids.data();
-  pb.tokens = tokens.data();
-  pb.query_indptr = query_indptr.data();
-  pb.sink_k = sk.data();
-  pb.sink_v = sv.data();
-  pb.tail_k = tk.data();
-  pb.tail_v = tv.data();
   kvq::BatchAttentionWorkspace bws;
   std::vector<float> want(q32.size());
   kvq::attend_batch(pb, KVView<const float>::nhd(q32.data(), 2, nh, D), KVView<float>::nhd(want.data(), 2, nh, D),

@@ -207,52 +207,13 @@ std::vector<float> attention_view(const std::vector<const kvq::KVCache*>& cs,
                 kvq::KVView<float>::nhd(out.data(), nq, nh, D), true, ws, nullptr, opt);
     all.insert(all.end(), out.begin(), out.end());
   }
-  const kvq::KVView<const float> none(nullptr, kvq::Shape{0, 2, D});
-  std::vector<const std::byte*> pages;
-  std::vector<int32_t> ids;
-  std::vector<int64_t> page_indptr{0}, tokens, query_indptr{0};
-  std::vector<kvq::KVView<const float>> sk, sv, tk, tv;
-  kvq::PagedKVBatch b;
-  for (const kvq::KVCache* c : bs) {
-    const kvq::PageTable pt = c->page_table(0);
-    b.layout = pt.layout;
-    for (int64_t j = 0; j < pt.n_pages; ++j) {
-      ids.push_back(static_cast<int32_t>(pages.size()));
-      pages.push_back(pt.pages[j]);
-    }
-    page_indptr.push_back(static_cast<int64_t>(ids.size()));
-    tokens.push_back(pt.tokens);
-    query_indptr.push_back(query_indptr.back() + nq);
-    kvq::KVView<const float> a = none, bv = none, t = none, tvv = none;
-    c->for_each_segment(0, [&](const kvq::CacheSegment& g) {
-      if (g.kind == kvq::CacheSegment::Kind::kSinks) {
-        a = g.key_rows;
-        bv = g.value_rows;
-      } else if (g.kind == kvq::CacheSegment::Kind::kResidual) {
-        t = g.key_rows;
-        tvv = g.value_rows;
-      }
-    });
-    sk.push_back(a);
-    sv.push_back(bv);
-    tk.push_back(t);
-    tv.push_back(tvv);
-  }
-  b.pages = pages.data();
-  b.pool_pages = static_cast<int64_t>(pages.size());
-  b.batch = static_cast<int64_t>(bs.size());
-  b.page_indptr = page_indptr.data();
-  b.page_ids = ids.data();
-  b.tokens = tokens.data();
-  b.query_indptr = query_indptr.data();
-  b.sink_k = sk.data();
-  b.sink_v = sv.data();
-  b.tail_k = tk.data();
-  b.tail_v = tv.data();
-  std::vector<float> out(static_cast<std::size_t>(query_indptr.back() * nh * D));
+  kvq::CacheBatch cb;  // bs's pages by pointer, sinks and tails as rows
+  const kvq::PagedKVBatch& b = cb.gather(bs, 0, std::vector<int64_t>(bs.size(), nq));
+  const int64_t rows = cb.total_queries();
+  std::vector<float> out(static_cast<std::size_t>(rows * nh * D));
   kvq::BatchAttentionWorkspace bws;
-  kvq::attend_batch(b, kvq::KVView<const float>::nhd(q.data(), query_indptr.back(), nh, D),
-                    kvq::KVView<float>::nhd(out.data(), query_indptr.back(), nh, D), true, bws,
+  kvq::attend_batch(b, kvq::KVView<const float>::nhd(q.data(), rows, nh, D),
+                    kvq::KVView<float>::nhd(out.data(), rows, nh, D), true, bws,
                     nullptr, opt);
   all.insert(all.end(), out.begin(), out.end());
   return all;

@@ -29,6 +29,7 @@
 #include "kvq/core/error.hpp"
 #include "kvq/core/rope.hpp"
 #include "kvq/core/tensor.hpp"
+#include "kvq/policy/spec.hpp"
 #include "kvq/attention/cpu/attention_cpu.hpp"
 
 namespace kvq {
@@ -242,6 +243,112 @@ inline void attend_batch(const PagedKVBatch& b, KVView<const float> q, KVView<fl
   kernels::attn::attend_batch_segments(w, B, H, D, B > 0 ? b.query_indptr : kZero, q, out,
                                        causal, key_rope, opt);
 }
+
+/// A PagedKVBatch over several KVCaches (one sequence each; e.g. an engine's sequences whose
+/// caches take pages from one PageAllocator): gather() collects one layer of every cache — its
+/// page table by pointer, its f32 sink rows and residual (tail) rows — and keeps the arrays
+/// the batch points into. The batch reads the caches' memory: it is valid until one of them is
+/// written (append, truncate, release, ...), so gather again per layer and step (the arrays are
+/// reused; a gather of no more pages and sequences allocates nothing). attend_batch over it
+/// gives each sequence bit for bit what attend() gives over its cache with the same options.
+class CacheBatch {
+ public:
+  /// One query row per sequence (decode): query row s belongs to caches[s].
+  const PagedKVBatch& gather(const std::vector<const KVCache*>& caches, int layer) {
+    ones_.assign(caches.size(), 1);
+    return gather(caches, layer, ones_);
+  }
+  /// queries[s] query rows for caches[s] (>= 0; rows in sequence order). Throws, leaving the
+  /// previous batch in place, for a null cache, a queries list of another length, a negative
+  /// count, a layer a cache does not have, or caches whose layer is laid out differently
+  /// (configs, page tokens, kv_heads, head_dim), naming the sequence.
+  const PagedKVBatch& gather(const std::vector<const KVCache*>& caches, int layer,
+                             const std::vector<int64_t>& queries) {
+    const std::size_t B = caches.size();
+    KVQ_REQUIRE(queries.size() == B, kShapeMismatch, "CacheBatch: ", B, " caches but ",
+                queries.size(), " query counts");
+    for (std::size_t s = 0; s < B; ++s) {
+      KVQ_REQUIRE(caches[s] != nullptr, kInvalidArgument, "CacheBatch: cache of sequence ", s,
+                  " is null");
+      KVQ_REQUIRE(queries[s] >= 0, kInvalidArgument, "CacheBatch: sequence ", s, " has ",
+                  queries[s], " query rows");
+      KVQ_REQUIRE(layer >= 0 && layer < caches[s]->n_layers(), kInvalidArgument,
+                  "CacheBatch: layer ", layer, " does not exist in the cache of sequence ", s,
+                  " (", caches[s]->n_layers(), " layers)");
+      if (s == 0) continue;
+      const PageLayout& a = caches[0]->page_layout(layer);
+      const PageLayout& b = caches[s]->page_layout(layer);
+      KVQ_REQUIRE(same_config(a.key, b.key) && same_config(a.value, b.value) &&
+                      a.page_tokens == b.page_tokens && a.kv_heads == b.kv_heads &&
+                      a.head_dim == b.head_dim && a.bytes == b.bytes,
+                  kShapeMismatch, "CacheBatch: layer ", layer, " of sequence ", s, " (k=",
+                  b.key.name(), ", v=", b.value.name(), ", ", b.page_tokens, "-token pages, ",
+                  b.kv_heads, "x", b.head_dim, ") is laid out unlike sequence 0's (k=",
+                  a.key.name(), ", v=", a.value.name(), ", ", a.page_tokens, "-token pages, ",
+                  a.kv_heads, "x", a.head_dim, ")");
+    }
+    pages_.clear();
+    ids_.clear();
+    page_indptr_.assign(1, 0);
+    query_indptr_.assign(1, 0);
+    tokens_.clear();
+    sk_.clear();
+    sv_.clear();
+    tk_.clear();
+    tv_.clear();
+    b_ = PagedKVBatch{};
+    for (std::size_t s = 0; s < B; ++s) {
+      const KVCache& c = *caches[s];
+      const PageTable pt = c.page_table(layer);
+      if (s == 0) b_.layout = pt.layout;
+      for (int64_t j = 0; j < pt.n_pages; ++j) {
+        ids_.push_back(static_cast<int32_t>(pages_.size()));
+        pages_.push_back(pt.pages[j]);
+      }
+      page_indptr_.push_back(static_cast<int64_t>(ids_.size()));
+      query_indptr_.push_back(query_indptr_.back() + queries[s]);
+      tokens_.push_back(pt.tokens);
+      const KVView<const float> none(nullptr, Shape{0, c.kv_heads(), c.head_dim()});
+      KVView<const float> k0 = none, v0 = none, k1 = none, v1 = none;
+      c.for_each_segment(layer, [&](const CacheSegment& g) {
+        if (g.kind == CacheSegment::Kind::kSinks) {
+          k0 = g.key_rows;
+          v0 = g.value_rows;
+        } else if (g.kind == CacheSegment::Kind::kResidual) {
+          k1 = g.key_rows;
+          v1 = g.value_rows;
+        }
+      });
+      sk_.push_back(k0);
+      sv_.push_back(v0);
+      tk_.push_back(k1);
+      tv_.push_back(v1);
+    }
+    b_.pages = pages_.data();
+    b_.pool_pages = static_cast<int64_t>(pages_.size());
+    b_.batch = static_cast<int64_t>(B);
+    b_.page_indptr = page_indptr_.data();
+    b_.page_ids = ids_.data();
+    b_.tokens = tokens_.data();
+    b_.query_indptr = query_indptr_.data();
+    b_.sink_k = sk_.data();
+    b_.sink_v = sv_.data();
+    b_.tail_k = tk_.data();
+    b_.tail_v = tv_.data();
+    return b_;
+  }
+  /// The batch of the last gather().
+  const PagedKVBatch& batch() const { return b_; }
+  /// Query rows of the last gather() in all: the first dimension of attend_batch's queries.
+  int64_t total_queries() const { return query_indptr_.empty() ? 0 : query_indptr_.back(); }
+
+ private:
+  PagedKVBatch b_;
+  std::vector<const std::byte*> pages_;
+  std::vector<int32_t> ids_;
+  std::vector<int64_t> page_indptr_, query_indptr_, tokens_, ones_;
+  std::vector<KVView<const float>> sk_, sv_, tk_, tv_;
+};
 
 /// Attention of the queries `q` ([n_q, n_heads, head_dim], the newest n_q positions of `layer`)
 /// over `cache`, written to `out` (same shape, any strides). n_heads must be a multiple of the
