@@ -19,6 +19,7 @@ QuantConfig = _ext.QuantConfig
 Policy = _ext.Policy
 QTensor = _ext.QTensor
 KVCache = _ext.KVCache
+attend_batch = _ext.attend_batch
 MemoryReport = _ext.MemoryReport
 parse_policy = _ext.parse_policy
 parse_policies = _ext.parse_policies
@@ -50,6 +51,7 @@ __all__ = [
     "Policy",
     "QTensor",
     "KVCache",
+    "attend_batch",
     "MemoryReport",
     "parse_policy",
     "parse_policies",

@@ -137,6 +137,20 @@ class Policy:
     def __eq__(self, other: object) -> bool: ...
     def __hash__(self) -> int: ...
 
+def attend_batch(caches: Sequence[KVCache], layer: int, q: ArrayLike,
+                 queries: Optional[Sequence[int]] = None, causal: bool = True, *,
+                 scale: float = 0.0, softcap: float = 0.0, window: int = 0,
+                 positions: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
+                 sinks: Optional[ArrayLike] = None, threads: int = 1, split_tokens: int = 0,
+                 return_lse: bool = False) -> Any:
+    """Attention for a batch of sequences, one cache each, in one call (kvq::attend_batch over
+    kvq::CacheBatch): q is [sum(queries), n_heads, head_dim], sequence s owning queries[s]
+    rows (default one each: a decode step). Every sequence's rows equal caches[s].attend(...)
+    bit for bit; a cache with no tokens in `layer` gives zeros. The options are those of
+    KVCache.attend, indexed by the global query row (mask columns: positions within the
+    row's sequence). Releases the GIL."""
+
+
 def parse_policy(spec: str) -> Policy:
     """Parses a policy spec ("k8v4", "kivi2,residual=128", "k=int4/channel/g32,v=int4/token")."""
 
@@ -239,10 +253,18 @@ class KVCache:
     def read(self, layer: int, begin: int = 0,
              end: Optional[int] = None) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """Dequantized keys and values of tokens [begin, end) (end: all) as float32."""
-    def attend(self, layer: int, q: ArrayLike, causal: bool = True) -> npt.NDArray[np.float32]:
+    def attend(self, layer: int, q: ArrayLike, causal: bool = True, *, scale: float = 0.0,
+               softcap: float = 0.0, window: int = 0, positions: Optional[ArrayLike] = None,
+               mask: Optional[ArrayLike] = None, sinks: Optional[ArrayLike] = None,
+               threads: int = 1, split_tokens: int = 0, return_lse: bool = False) -> Any:
         """Attention of queries q ([n_q, n_heads, head_dim], the newest n_q positions; n_heads a
-        multiple of kv_heads) over the packed cache, one block dequantized at a time. Returns
-        [n_q, n_heads, head_dim] float32. Releases the GIL."""
+        multiple of kv_heads) over the packed cache, computed on the packed codes. Returns
+        [n_q, n_heads, head_dim] float32, or (out, lse) with return_lse (lse: [n_q, n_heads]
+        float32, natural log, -inf for a row that sees nothing). Options (docs/python.md):
+        scale (0: 1/sqrt(head_dim)), softcap (0: off), window (0: none), positions (int64
+        [n_q]: each query's position), mask (bool [n_q, >= tokens]: True where a query sees a
+        position), sinks (float32 [n_heads] sink logits), threads, split_tokens (flash-decoding
+        chunk, 0: 4096). Releases the GIL."""
     def truncate(self, n: int, layer: Optional[int] = None) -> None:
         """Keeps tokens [0, n) of every layer (or of `layer`)."""
     def truncate_is_exact(self, layer: int, n: int) -> bool: ...

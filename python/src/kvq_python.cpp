@@ -21,6 +21,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -382,6 +383,93 @@ Recycler& recycler() {
 }
 
 /// A QTensor plus the lock that guards it against `quantize(..., out=q)` from another thread.
+// ---------------------------------------------------------------------------------------------
+// Attention options (kvq::AttentionOptions) from Python keywords
+
+using PosArray = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using MaskArray = nb::ndarray<const bool, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using SinkArray = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+/// The options of one attend / attend_batch call and the arrays they point into (copied, so
+/// the GIL can be released).
+struct PyAttn {
+  kvq::AttentionOptions opt;
+  std::vector<int64_t> positions;
+  std::vector<uint64_t> mask_bits;
+  std::vector<float> sinks;
+  OutBuffer lse;
+  bool want_lse = false;
+};
+
+/// Checks and copies the keywords for `rows` query rows of `n_heads` heads over sequences of at
+/// most `max_tokens` tokens. `mask`: [rows, >= max_tokens] bool, True where the row sees the
+/// position (within its sequence).
+PyAttn attention_options(const char* fn, int64_t rows, int64_t n_heads, int64_t max_tokens,
+                         double scale, double softcap, int64_t window,
+                         const std::optional<PosArray>& positions,
+                         const std::optional<MaskArray>& mask,
+                         const std::optional<SinkArray>& sinks, int threads,
+                         int64_t split_tokens, bool return_lse) {
+  PyAttn a;
+  KVQ_REQUIRE(threads >= 1, kInvalidArgument, fn, ": threads must be >= 1, got ", threads);
+  KVQ_REQUIRE(window >= 0, kInvalidArgument, fn, ": window must be >= 0, got ", window);
+  KVQ_REQUIRE(split_tokens >= 0, kInvalidArgument, fn, ": split_tokens must be >= 0, got ",
+              split_tokens);
+  a.opt.threads = threads;
+  a.opt.split_tokens = split_tokens;
+  a.opt.window = window;
+  a.opt.scale = static_cast<float>(scale);      // checked (finite, >= 0) by the kernels
+  a.opt.softcap = static_cast<float>(softcap);
+  if (positions) {
+    KVQ_REQUIRE(static_cast<int64_t>(positions->shape(0)) == rows, kShapeMismatch, fn,
+                ": positions must hold one entry per query row (", rows, "), got ",
+                positions->shape(0));
+    a.positions.assign(positions->data(), positions->data() + rows);
+    a.opt.positions = a.positions.data();
+  }
+  if (mask) {
+    const int64_t cols = static_cast<int64_t>(mask->shape(1));
+    KVQ_REQUIRE(static_cast<int64_t>(mask->shape(0)) == rows && cols >= max_tokens,
+                kShapeMismatch, fn, ": mask must be [", rows, ", >= ", max_tokens,
+                "] (query rows x positions), got [", mask->shape(0), ", ", cols, "]");
+    const int64_t words = std::max<int64_t>(1, (cols + 63) / 64);
+    a.mask_bits.assign(static_cast<std::size_t>(rows * words), 0);
+    const bool* m = mask->data();
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t t = 0; t < cols; ++t)
+        if (m[i * cols + t])
+          a.mask_bits[static_cast<std::size_t>(i * words + t / 64)] |= uint64_t{1} << (t % 64);
+    a.opt.mask_bits = a.mask_bits.data();
+    a.opt.mask_words = words;
+  }
+  if (sinks) {
+    KVQ_REQUIRE(static_cast<int64_t>(sinks->shape(0)) == n_heads, kShapeMismatch, fn,
+                ": sinks must hold one logit per query head (", n_heads, "), got ",
+                sinks->shape(0));
+    a.sinks.assign(sinks->data(), sinks->data() + n_heads);
+    a.opt.sinks = a.sinks.data();
+  }
+  if (return_lse) {
+    a.want_lse = true;
+    a.lse = new_array({static_cast<size_t>(rows), static_cast<size_t>(n_heads)}, nb::dtype<float>());
+    a.opt.lse = static_cast<float*>(a.lse.data);
+  }
+  return a;
+}
+
+/// The queries of an attention call as an f32 view (f16/bf16 widened exactly into `buf`).
+kvq::KVView<const float> f32_queries(const InTensor& qt, std::vector<float>& buf) {
+  if (qt.dtype == kvq::DType::kF32) return qt.view<float>();
+  buf = visit(qt, [](auto view) { return kvq::to_float_nhd(view); });
+  return kvq::KVView<const float>(buf.data(), qt.shape);
+}
+
+/// The output (and, with return_lse, the log-sum-exp array) of an attention call.
+nb::object attention_result(const OutBuffer& o, const PyAttn& a) {
+  if (!a.want_lse) return nb::cast(o.array);
+  return nb::make_tuple(o.array, a.lse.array);
+}
+
 struct PyQTensor {
   PyQTensor() = default;
   PyQTensor(const PyQTensor&) = delete;
@@ -551,6 +639,72 @@ NB_MODULE(KVQ_PY_MODULE, m) {
   m.doc() = "kvq: geometry-first KV-cache quantization (nanobind binding of the C++ headers)";
   m.attr("__version__") = KVQ_VERSION_STRING;
   m.attr("variant") = KVQ_PY_VARIANT;
+  m.def(
+      "attend_batch",
+      [](const std::vector<const PyCache*>& caches, int layer, nb::handle q,
+         std::optional<std::vector<int64_t>> queries, bool causal, double scale, double softcap,
+         int64_t window, std::optional<PosArray> positions, std::optional<MaskArray> mask,
+         std::optional<SinkArray> sinks, int threads, int64_t split_tokens, bool return_lse) {
+        const char* fn = "kvq.attend_batch";
+        const InTensor qt = as_tensor(q, fn, "q");
+        const std::size_t B = caches.size();
+        std::vector<int64_t> nq = queries ? *queries : std::vector<int64_t>(B, 1);
+        KVQ_REQUIRE(nq.size() == B, kShapeMismatch, fn, ": ", B, " caches but ", nq.size(),
+                    " query counts");
+        int64_t rows = 0;
+        for (std::size_t s = 0; s < B; ++s) {
+          KVQ_REQUIRE(caches[s] != nullptr, kInvalidArgument, fn, ": cache ", s, " is None");
+          KVQ_REQUIRE(nq[s] >= 0, kInvalidArgument, fn, ": sequence ", s, " has ", nq[s],
+                      " query rows");
+          rows += nq[s];
+        }
+        KVQ_REQUIRE(rows == qt.shape.tokens, kShapeMismatch, fn, ": the query counts add up to ",
+                    rows, " rows but q holds ", qt.shape.tokens);
+        // Distinct caches, each locked once (shared), in address order.
+        std::vector<const PyCache*> locks(caches.begin(), caches.end());
+        std::sort(locks.begin(), locks.end());
+        locks.erase(std::unique(locks.begin(), locks.end()), locks.end());
+        int64_t max_tokens = 0;
+        for (const PyCache* c : locks) {
+          std::shared_lock<std::shared_mutex> lk(c->mu);
+          KVQ_REQUIRE(layer >= 0 && layer < c->cache.n_layers(), kOutOfRange, fn, ": layer ",
+                      layer, " out of range [0, ", c->cache.n_layers(), ")");
+          max_tokens = std::max(max_tokens, c->cache.tokens(layer));
+        }
+        PyAttn a = attention_options(fn, rows, qt.shape.heads, max_tokens, scale, softcap, window,
+                                     positions, mask, sinks, threads, split_tokens, return_lse);
+        OutBuffer o = new_array(shape_vec(qt.shape), nb::dtype<float>());
+        {
+          nb::gil_scoped_release nogil;
+          std::vector<float> qf;
+          const kvq::KVView<const float> qv = f32_queries(qt, qf);
+          std::vector<std::shared_lock<std::shared_mutex>> held;
+          held.reserve(locks.size());
+          for (const PyCache* c : locks) held.emplace_back(c->mu);
+          std::vector<const kvq::KVCache*> cs;
+          int64_t now_max = 0;
+          for (const PyCache* c : caches) {
+            cs.push_back(&c->cache);
+            now_max = std::max(now_max, c->cache.tokens(layer));
+          }
+          KVQ_REQUIRE(now_max <= max_tokens || !a.opt.mask_bits, kShapeMismatch, fn,
+                      ": a cache grew while the mask was read");
+          kvq::CacheBatch cb;
+          kvq::BatchAttentionWorkspace ws;
+          kvq::attend_batch(cb.gather(cs, layer, nq), qv,
+                            kvq::KVView<float>(static_cast<float*>(o.data), qt.shape), causal, ws,
+                            nullptr, a.opt);
+        }
+        return attention_result(o, a);
+      },
+      "caches"_a, "layer"_a, "q"_a, nb::arg("queries").none() = nb::none(), "causal"_a = true,
+      nb::kw_only(), "scale"_a = 0.0, "softcap"_a = 0.0, "window"_a = 0,
+      nb::arg("positions").none() = nb::none(), nb::arg("mask").none() = nb::none(),
+      nb::arg("sinks").none() = nb::none(), "threads"_a = 1, "split_tokens"_a = 0,
+      "return_lse"_a = false,
+      "Batched attention over several caches (one sequence each): q [sum(queries), n_heads, "
+      "head_dim]; queries[s] rows per cache (default one: decode). Same options as "
+      "KVCache.attend, indexed by the global query row.");
   m.def("simd_level", &kvq::simd_level,
         "SIMD level the fast paths of this build were compiled for (avx512, avx2 or scalar).");
 
@@ -927,27 +1081,39 @@ NB_MODULE(KVQ_PY_MODULE, m) {
           "layer"_a, "begin"_a = 0, "end"_a = nb::none())
       .def(
           "attend",
-          [](const PyCache& c, int layer, nb::handle q, bool causal) {
+          [](const PyCache& c, int layer, nb::handle q, bool causal, double scale, double softcap,
+             int64_t window, std::optional<PosArray> positions, std::optional<MaskArray> mask,
+             std::optional<SinkArray> sinks, int threads, int64_t split_tokens, bool return_lse) {
             const InTensor qt = as_tensor(q, "KVCache.attend", "q");
+            int64_t T = 0;
+            {
+              std::shared_lock<std::shared_mutex> lk(c.mu);
+              KVQ_REQUIRE(layer >= 0 && layer < c.cache.n_layers(), kOutOfRange,
+                          "KVCache.attend: layer ", layer, " out of range [0, ",
+                          c.cache.n_layers(), ")");
+              T = c.cache.tokens(layer);
+            }
+            PyAttn a = attention_options("KVCache.attend", qt.shape.tokens, qt.shape.heads, T,
+                                         scale, softcap, window, positions, mask, sinks, threads,
+                                         split_tokens, return_lse);
             OutBuffer o = new_array(shape_vec(qt.shape), nb::dtype<float>());
             {
               nb::gil_scoped_release nogil;
               std::vector<float> qf;
-              kvq::KVView<const float> qv;
-              if (qt.dtype == kvq::DType::kF32) {
-                qv = qt.view<float>();
-              } else {
-                qf = visit(qt, [](auto view) { return kvq::to_float_nhd(view); });
-                qv = kvq::KVView<const float>(qf.data(), qt.shape);
-              }
+              const kvq::KVView<const float> qv = f32_queries(qt, qf);
               std::shared_lock<std::shared_mutex> lk(c.mu);
+              KVQ_REQUIRE(c.cache.tokens(layer) == T || !a.opt.mask_bits, kShapeMismatch,
+                          "KVCache.attend: layer ", layer, " changed while the mask was read");
               kvq::AttentionWorkspace ws;
               kvq::attend(c.cache, layer, qv, kvq::KVView<float>(static_cast<float*>(o.data), qt.shape),
-                          causal, ws);
+                          causal, ws, nullptr, a.opt);
             }
-            return o.array;
+            return attention_result(o, a);
           },
-          "layer"_a, "q"_a, "causal"_a = true)
+          "layer"_a, "q"_a, "causal"_a = true, nb::kw_only(), "scale"_a = 0.0,
+          "softcap"_a = 0.0, "window"_a = 0, nb::arg("positions").none() = nb::none(),
+          nb::arg("mask").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
+          "threads"_a = 1, "split_tokens"_a = 0, "return_lse"_a = false)
       .def(
           "truncate",
           [](PyCache& c, int64_t n, std::optional<int> layer) {
