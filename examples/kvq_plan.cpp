@@ -5,11 +5,12 @@
 //   kvq_plan --model M [--tokenizer T] --calibrate TEXT (--budget BITS | --sweep B1,B2,...)
 //            [--granularity model|layer|layer-kv] [--candidates SPEC;SPEC...]
 //            [--objective kl|ppl] [--probe SPEC] [--eval TEXT] [--out plan.json]
-//            [--measurements FILE] [--threads N] [--max-seqs N] [--seq-len N] [--prerope]
+//            [--measurements FILE] [--save-calibration FILE] [--threads N] [--max-seqs N]
+//            [--seq-len N] [--prerope]
 //
 // How (docs/policy.md, "The budget planner"):
 //  1. One f32 forward over the calibration text records every layer's queries, keys, values
-//     and attention outputs.
+//     and attention outputs; nuq candidates learn their per-layer codebooks on them.
 //  2. Each candidate's keys (then values) are replayed through a one-layer streaming KVCache
 //     under that candidate, layer by layer, and the squared error of the attention output
 //     against the f32 output is summed: e[l][K|V][c].
@@ -28,6 +29,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -39,6 +41,7 @@
 #include "kvq/eval/cache_backend.hpp"
 #include "kvq/eval/kv_backend.hpp"
 #include "kvq/eval/llama2c.hpp"
+#include "kvq/io/calibration_file.hpp"
 #include "kvq/policy/plan.hpp"
 #include "kvq/policy/spec.hpp"
 #include "report.hpp"
@@ -104,6 +107,30 @@ class CaptureBackend final : public kvq::eval::KVBackend {
   }
   const std::vector<Sequence>& sequences() const { return seqs_; }
   int n_heads() const { return n_heads_; }
+  /// The captured rows as a calibration set (nuq codebooks): keys as the cache stores them
+  /// (pre-RoPE with `prerope`), post-RoPE keys and queries for the sensitivity weights.
+  kvq::CalibrationSet calibration_set(bool prerope) const {
+    kvq::CalibrationSet cs;
+    cs.n_layers = g_.n_layers;
+    cs.kv_heads = g_.n_kv_heads;
+    cs.head_dim = g_.head_dim;
+    cs.q_heads = n_heads_;
+    for (const Sequence& s : seqs_) {
+      if (s.tokens == 0) continue;
+      kvq::CalibrationSet::Sequence cq;
+      cq.tokens = s.tokens;
+      for (const Layer& L : s.layers) {
+        kvq::CalibrationSet::Layer cl;
+        cl.k = prerope ? L.kp : L.k;
+        cl.k_attn = L.k;
+        cl.v = L.v;
+        cl.q = L.q;
+        cq.layers.push_back(std::move(cl));
+      }
+      cs.sequences.push_back(std::move(cq));
+    }
+    return cs;
+  }
 
  private:
   kvq::eval::KVGeometry g_;
@@ -273,8 +300,8 @@ void usage() {
   std::fprintf(stderr,
       "usage: kvq_plan --model M [--tokenizer T] --calibrate TEXT (--budget BITS | --sweep B1,B2,..)\n"
       "  [--granularity model|layer|layer-kv] [--candidates SPEC;SPEC...] [--objective kl|ppl]\n"
-      "  [--probe SPEC] [--eval TEXT] [--out plan.json] [--measurements FILE] [--threads N]\n"
-      "  [--max-seqs N] [--seq-len N] [--prerope]\n"
+      "  [--probe SPEC] [--eval TEXT] [--out plan.json] [--measurements FILE]\n"
+      "  [--save-calibration FILE] [--threads N] [--max-seqs N] [--seq-len N] [--prerope]\n"
       "--model: a llama2.c checkpoint (with --tokenizer), a GGUF file, or 'smollm2' / 'gemma3'\n"
       "--calibrate: text the damage is measured on (one sequence per line, the model's protocol)\n"
       "--budget: mean storage bits per K/V value (complete groups, metadata included)\n"
@@ -282,13 +309,16 @@ void usage() {
       "--granularity: one scheme for all keys and one for all values (model), one per layer\n"
       "  (layer), or one per layer and K/V (layer-kv, default)\n"
       "--candidates: ';'-separated [name=]spec, each one key and one value term (default:\n"
-      "  int2/3/4/8 keys per channel and values per token, lm2/3/4 rotated, fp8, f16)\n"
+      "  int2/3/4/8 and nuq2/3/4 (plain and +1%% outliers) keys per channel and values per token,\n"
+      "  lm2/3/4 rotated, fp8, f16); nuq codebooks are learned per layer on the --calibrate text\n"
       "--objective: kl (next-token KL against f32, default) or ppl (increase of the mean NLL)\n"
       "--probe: the scheme whose end-to-end damage per layer calibrates the attention-error\n"
       "  proxy (default k=int3/channel/g32,v=int3/token/g32)\n"
       "--eval: held-out text: each plan's perplexity and KL there, next to every uniform\n"
       "  candidate of no more storage bits\n"
       "--measurements: cache of the per-layer measurements (re-planning reuses it)\n"
+      "--save-calibration: write the nuq codebooks of each plan that has nuq layers (FILE, or\n"
+      "  FILE.<i>.json for the i-th budget of a sweep); other tools take it with --calibrate\n"
       "defaults: %s/data/stories260K/{stories260K.bin,tok512.bin}\n",
       KVQ_SHARED_DIR);
 }
@@ -310,7 +340,7 @@ std::string fmt(double v, int prec = 4) { return kvq_tools::json_number(std::rou
 int main(int argc, char** argv) {
   const std::string base = std::string(KVQ_SHARED_DIR) + "/data/stories260K/";
   std::string model_path = base + "stories260K.bin", tok_path = base + "tok512.bin";
-  std::string calib_path, eval_path, out_path, meas_path, budget_arg, sweep_arg;
+  std::string calib_path, eval_path, out_path, meas_path, budget_arg, sweep_arg, save_cal;
   std::string granularity = "layer-kv", objective = "kl", cand_arg = kvq::kDefaultPlanCandidates;
   std::string probe_arg = "k=int3/channel/g32,v=int3/token/g32";
   bool prerope = false;
@@ -337,6 +367,7 @@ int main(int argc, char** argv) {
     else if (a == "--probe") probe_arg = next();
     else if (a == "--out") out_path = next();
     else if (a == "--measurements") meas_path = next();
+    else if (a == "--save-calibration") save_cal = next();
     else if (a == "--prerope") prerope = true;
     else if (a == "--threads") threads = parse_count(a, next());
     else if (a == "--max-seqs") opt.max_sequences = parse_count(a, next());
@@ -363,8 +394,9 @@ int main(int argc, char** argv) {
     const auto t_all = Clock::now();
     const std::vector<double> budgets = parse_budgets(budget_arg.empty() ? sweep_arg : budget_arg);
     const kvq::PlanGranularity gran = kvq::parse_granularity(granularity);
-    const auto cands = kvq::parse_plan_candidates(cand_arg);
-    const auto probe = kvq::parse_plan_candidates("probe=" + probe_arg).front();
+    auto cands = kvq::parse_plan_candidates(cand_arg);
+    auto probes = kvq::parse_plan_candidates("probe=" + probe_arg);
+    const kvq::PlanCandidate& probe = probes.front();
     kvq_tools::EvalModel model(model_path, tok_path);
     if (threads > 0) model.set_threads(threads);
     const auto geo = model.kv_geometry();
@@ -383,6 +415,25 @@ int main(int argc, char** argv) {
     copt.record_trace = &calib_trace;
     const auto t_measure = Clock::now();
     const auto r_calib = model.evaluate(cap, calib_lines, copt);
+    // nuq candidates (and a nuq probe): their per-layer codebooks, learned on the same rows.
+    bool any_nuq = probe.needs_codebooks();
+    for (const auto& c : cands) any_nuq = any_nuq || c.needs_codebooks();
+    if (any_nuq) {
+      const auto t_cal = Clock::now();
+      const kvq::CalibrationSet cset = cap.calibration_set(prerope);
+      kvq::calibrate_plan_candidates(cands, cset);
+      kvq::calibrate_plan_candidates(probes, cset);
+      std::fprintf(stderr, "kvq_plan: nuq codebooks learned (%.0f s)\n", since(t_cal));
+    }
+    // A candidate used on every layer (the uniform comparison): per-layer codebooks as overrides.
+    auto uniform_policy = [&](const kvq::PlanCandidate& c) {
+      kvq::Policy up;
+      up.key = c.key;
+      up.value = c.value;
+      if (!c.per_layer.empty())
+        for (int l = 0; l < L; ++l) up.overrides[l] = {c.key_at(l), c.value_at(l)};
+      return up;
+    };
 
     auto run_policy = [&](const kvq::Policy& pol, const std::vector<std::string>& lines,
                           const kvq::eval::LogitTrace& trace, const kvq::eval::EvalResult& ref) {
@@ -424,13 +475,13 @@ int main(int argc, char** argv) {
       for (int l = 0; l < L; ++l) {
         const size_t li = static_cast<size_t>(l);
         for (size_t c = 0; c < cands.size(); ++c) {
-          m.err_k[li][c] = replay_error(cap, geo, l, cands[c].key, f32, prerope, rope_of(l));
-          m.err_v[li][c] = replay_error(cap, geo, l, f32, cands[c].value, prerope, rope_of(l));
+          m.err_k[li][c] = replay_error(cap, geo, l, cands[c].key_at(l), f32, prerope, rope_of(l));
+          m.err_v[li][c] = replay_error(cap, geo, l, f32, cands[c].value_at(l), prerope, rope_of(l));
         }
-        m.probe_err[li] = replay_error(cap, geo, l, probe.key, f32, prerope, rope_of(l)) +
-                          replay_error(cap, geo, l, f32, probe.value, prerope, rope_of(l));
+        m.probe_err[li] = replay_error(cap, geo, l, probe.key_at(l), f32, prerope, rope_of(l)) +
+                          replay_error(cap, geo, l, f32, probe.value_at(l), prerope, rope_of(l));
         kvq::Policy pp;  // f32 everywhere but the probe on layer l
-        pp.overrides[l] = {probe.key, probe.value};
+        pp.overrides[l] = {probe.key_at(l), probe.value_at(l)};
         const RunResult pr = run_policy(pp, calib_lines, calib_trace, r_calib);
         const double obj = objective == "kl" ? pr.kl : std::max(0.0, pr.nll_increase);
         m.probe_objective[li] = obj;
@@ -498,6 +549,17 @@ int main(int argc, char** argv) {
       const kvq::Policy pol = kvq::plan_policy(prob, choice);
       const double plan_seconds = since(t_plan);
       const std::string spec = pol.spec();
+      // nuq layers: the spec names their configs, the codebooks go to a calibration file.
+      const bool plan_nuq = kvq::needs_calibration(pol, L);
+      std::string cal_file;
+      if (plan_nuq && !save_cal.empty()) {
+        cal_file = save_cal;
+        if (budgets.size() > 1) {
+          const std::filesystem::path fp(save_cal);
+          cal_file = (fp.parent_path() / (fp.stem().string() + "." + std::to_string(bi) + ".json")).string();
+        }
+        kvq::save_calibration(cal_file, pol, L, "kvq_plan --calibrate " + calib_path);
+      }
       const RunResult rc = run_policy(pol, calib_lines, calib_trace, r_calib);
       RunResult re;
       std::string best_uniform = "-";
@@ -510,10 +572,7 @@ int main(int argc, char** argv) {
           const double ub = 0.5 * (prob.bits[0][c] + prob.bits[1][c]);
           if (ub > budget + 1e-9) continue;
           if (!uniform.count(c)) {
-            kvq::Policy up;
-            up.key = cands[c].key;
-            up.value = cands[c].value;
-            uniform[c] = run_policy(up, eval_lines, eval_trace, r_eval);
+            uniform[c] = run_policy(uniform_policy(cands[c]), eval_lines, eval_trace, r_eval);
           }
           const RunResult& u = uniform[c];
           const double obj = objective == "kl" ? u.kl : u.nll_increase;
@@ -548,6 +607,8 @@ int main(int argc, char** argv) {
       j << "    {\n      \"budget\": " << kvq_tools::json_number(budget)
         << ",\n      \"granularity\": \"" << kvq::granularity_name(gran) << "\""
         << ",\n      \"spec\": \"" << kvq_tools::json_escape(spec) << "\""
+        << ",\n      \"needs_calibration\": " << (plan_nuq ? "true" : "false")
+        << ",\n      \"calibration_file\": \"" << kvq_tools::json_escape(cal_file) << "\""
         << ",\n      \"storage_bits\": " << kvq_tools::json_number(choice.mean_bits)
         << ",\n      \"predicted_damage\": " << kvq_tools::json_number(choice.damage / (2.0 * L))
         << ",\n      \"plan_seconds\": " << kvq_tools::json_number(plan_seconds)
@@ -587,6 +648,11 @@ int main(int argc, char** argv) {
       first_plan = false;
 
       std::printf("budget %s bits: %s\n", fmt(budget, 3).c_str(), spec.c_str());
+      if (plan_nuq)
+        std::printf("  nuq codebooks: %s\n",
+                    cal_file.empty() ? "learned on the --calibrate text (--save-calibration FILE "
+                                       "writes them for --calibrate in the other tools)"
+                                     : cal_file.c_str());
       std::printf("  layer keys:   ");
       for (int l = 0; l < L; ++l)
         std::printf("%s%s", l ? " " : "", cands[static_cast<size_t>(choice.choice[static_cast<size_t>(2 * l)])].name.c_str());

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kvq/cache/kv_cache.hpp"
+#include "kvq/io/calibration_file.hpp"
 #include "kvq/policy/plan.hpp"
 #include "kvq/policy/spec.hpp"
 
@@ -126,7 +127,13 @@ TEST(Plan, StorageBitsByHand) {
   EXPECT_DOUBLE_EQ(kvq::storage_bits(kvq::parse_quant_config("sint4/token/g32"), 3, 64), 4.5);
   EXPECT_DOUBLE_EQ(kvq::storage_bits(kvq::parse_quant_config("f16"), 3, 64), 16.0);
   EXPECT_DOUBLE_EQ(kvq::storage_bits(kvq::parse_quant_config("f32"), 1, 8), 32.0);
-  EXPECT_THROW(kvq::storage_bits(kvq::parse_quant_config("nuq3/token/g32"), 3, 64), kvq::Error);
+  // nuq: codes plus fp16 scale and zero per group, as int; the per-layer codebook is not in it.
+  EXPECT_DOUBLE_EQ(kvq::storage_bits(kvq::parse_quant_config("nuq3/token/g32"), 3, 64), 4.0);
+  EXPECT_DOUBLE_EQ(kvq::storage_bits(kvq::parse_quant_config("nuq2/channel/g32"), 3, 64), 3.0);
+  // 1% of 64 channels: one outlier per (token, head) vector, an fp16 value and a 1-byte
+  // position: 24 bits per 64 values.
+  EXPECT_DOUBLE_EQ(kvq::storage_bits(kvq::parse_quant_config("nuq3/token/g32/out1%"), 3, 64),
+                   4.0 + 24.0 / 64.0);
 }
 
 TEST(Plan, PolicyRoundTripsAndCostsWhatThePlanSays) {
@@ -217,17 +224,108 @@ TEST(Plan, Errors) {
   EXPECT_EQ(kvq::parse_granularity("layer-kv"), PlanGranularity::kLayerKV);
 }
 
+// nuq candidates: calibrate_plan_candidates learns each layer's codebooks; the planned policy
+// stores exactly what kvq::calibrate learns for that policy on the same data (computed here
+// from the plan's uncalibrated spec), the spec plus a calibration file restore it, and a cache
+// under it stores the planned bits.
+TEST(Plan, NuqCandidatesCarryPerLayerCodebooks) {
+  const int L = 3, H = 2, D = 32, T = 96;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  kvq::CalibrationSet data;
+  data.n_layers = L;
+  data.kv_heads = H;
+  data.head_dim = D;
+  kvq::CalibrationSet::Sequence seq;
+  seq.tokens = T;
+  for (int l = 0; l < L; ++l) {
+    kvq::CalibrationSet::Layer cl;
+    cl.k.resize(static_cast<size_t>(T * H * D));
+    cl.v.resize(cl.k.size());
+    for (size_t i = 0; i < cl.k.size(); ++i) {
+      cl.k[i] = nd(rng) * (1.0f + static_cast<float>(l)) * (i % D == 3 ? 8.0f : 1.0f);
+      cl.v[i] = nd(rng) * (i % 7 == 0 ? 3.0f : 0.5f);
+    }
+    seq.layers.push_back(cl);
+  }
+  data.sequences.push_back(seq);
+
+  kvq::PlanProblem p;
+  p.n_layers = L;
+  p.candidates = kvq::parse_plan_candidates(
+      "int2=k=int2/channel/g32,v=int2/token/g32;nuq3=k=nuq3/channel/g32,v=nuq3/token/g32;"
+      "nuq2o=k=nuq2/channel/g32/out1%,v=int2/token/g32;f16=k=f16,v=f16");
+  kvq::calibrate_plan_candidates(p.candidates, data);
+  EXPECT_TRUE(p.candidates[0].per_layer.empty() && p.candidates[3].per_layer.empty());
+  ASSERT_EQ(p.candidates[1].per_layer.size(), static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    EXPECT_TRUE(p.candidates[1].key_at(l).nuq_ready && p.candidates[1].value_at(l).nuq_ready);
+    EXPECT_TRUE(p.candidates[2].key_at(l).nuq_ready);
+    EXPECT_EQ(p.candidates[2].value_at(l).format, kvq::Format::kInt);
+  }
+  EXPECT_NE(p.candidates[1].key_at(0).nuq_levels, p.candidates[1].key_at(2).nuq_levels);
+  // A choice that mixes them: layer 0 nuq3 keys / int2 values, layer 1 nuq2o / nuq3,
+  // layer 2 int2 / f16.
+  kvq::PlanChoice r;
+  r.choice = {1, 0, 2, 1, 0, 3};
+  const kvq::Policy pol = kvq::plan_policy(p, r);
+  EXPECT_NO_THROW(kvq::check_calibrated(pol, L));
+  EXPECT_TRUE(kvq::needs_calibration(pol, L));
+  // Independent: calibrate the plan's own spec (no codebooks) on the same data.
+  const kvq::Policy bare = kvq::parse_policy(pol.spec());
+  EXPECT_THROW(kvq::check_calibrated(bare, L), kvq::Error);
+  const kvq::Policy cal = kvq::calibrate(bare, data);
+  for (int l = 0; l < L; ++l) {
+    EXPECT_TRUE(kvq::same_config(pol.key_for(l, L), cal.key_for(l, L))) << "layer " << l;
+    EXPECT_TRUE(kvq::same_config(pol.value_for(l, L), cal.value_for(l, L))) << "layer " << l;
+  }
+  EXPECT_TRUE(kvq::same_config(pol.key_for(2, L), p.candidates[0].key));
+  EXPECT_EQ(pol.value_for(2, L).format, kvq::Format::kF16);
+  // Spec + calibration file restore it (what kvq_plan --save-calibration and --calibrate do).
+  const kvq::CalibrationFile f = kvq::parse_calibration(kvq::calibration_json(pol, L), "plan");
+  const kvq::Policy back = kvq::apply_calibration(bare, f, L);
+  for (int l = 0; l < L; ++l) {
+    EXPECT_TRUE(kvq::same_config(back.key_for(l, L), pol.key_for(l, L)));
+    EXPECT_TRUE(kvq::same_config(back.value_for(l, L), pol.value_for(l, L)));
+  }
+  // The bits the plan promises for this choice are what a cache of whole blocks stores.
+  double want = 0;
+  for (int l = 0; l < L; ++l)
+    want += kvq::storage_bits(p.candidates[static_cast<size_t>(r.choice[2 * l])].key, H, D) +
+            kvq::storage_bits(p.candidates[static_cast<size_t>(r.choice[2 * l + 1])].value, H, D);
+  want /= 2.0 * L;
+  EXPECT_NEAR(kvq::policy_storage_bits(pol, L, H, D), want, 1e-12);
+  kvq::KVCache cache(pol, L, H, D, 1024, kvq::KVCacheOptions{false});
+  std::vector<float> k(static_cast<size_t>(128) * H * D), v(k.size());
+  for (auto& x : k) x = nd(rng);
+  for (auto& x : v) x = nd(rng);
+  for (int l = 0; l < L; ++l)
+    cache.append(l, kvq::KVView<const float>::nhd(k.data(), 128, H, D),
+                 kvq::KVView<const float>::nhd(v.data(), 128, H, D));
+  const kvq::MemoryReport m = cache.memory_report();
+  double stored = 0;
+  for (const auto& lm : m.layers) {
+    ASSERT_EQ(lm.residual_tokens, 0);
+    stored += static_cast<double>(lm.key.packed.total() - lm.key.packed.padding);
+    stored += static_cast<double>(lm.value.packed.total() - lm.value.packed.padding);
+  }
+  EXPECT_NEAR(8.0 * stored / static_cast<double>(m.elements()), want, 0.01);
+}
+
 }  // namespace
 
 namespace {
 
 TEST(Plan, CandidateLists) {
   const auto d = kvq::default_plan_candidates();
-  ASSERT_EQ(d.size(), 9u);
+  ASSERT_EQ(d.size(), 15u);
   EXPECT_EQ(d[0].name, "int2");
   EXPECT_EQ(kvq::config_spec(d[0].key), "int2/channel/g32");
   EXPECT_EQ(kvq::config_spec(d[0].value), "int2/token/g32");
-  EXPECT_EQ(d[8].name, "f16");
+  EXPECT_EQ(d[5].name, "nuq3");
+  EXPECT_TRUE(d[5].needs_codebooks() && !d[0].needs_codebooks());
+  EXPECT_EQ(kvq::config_spec(d[8].key), "nuq3/channel/g32/out1%");
+  EXPECT_EQ(d[14].name, "f16");
   const auto c = kvq::parse_plan_candidates(" kivi4 ; mine=k=int3/channel/g32,v=lm3/rot;");
   ASSERT_EQ(c.size(), 2u);
   EXPECT_EQ(c[0].name, "kivi4");
@@ -244,7 +342,6 @@ TEST(Plan, CandidateLists) {
   };
   refused("kivi4;k=int5/token,v=f16", "'k=int5/token,v=f16'");
   refused("a=kivi4;a=kivi2", "'a' appears twice");
-  refused("k=nuq3/channel/g32,v=int4/token/g32", "nuq");
   refused("kivi4,skip=2", "no skip");
   refused(" ; ", "empty");
 }

@@ -29,6 +29,7 @@
 
 #include "kvq/accounting/accountant.hpp"
 #include "kvq/core/error.hpp"
+#include "kvq/policy/calibrate.hpp"
 #include "kvq/policy/spec.hpp"
 
 namespace kvq {
@@ -39,6 +40,20 @@ struct PlanCandidate {
   std::string name;  ///< as given (a spec or preset name)
   QuantConfig key = raw_config(Format::kF16);
   QuantConfig value = raw_config(Format::kF16);
+  /// Per-layer configs (key, value) when they differ by layer: nuq candidates carry each
+  /// layer's calibrated codebook here (calibrate_plan_candidates). Empty: key and value on
+  /// every layer.
+  std::vector<std::pair<QuantConfig, QuantConfig>> per_layer;
+
+  /// True when the candidate stores keys or values as nuq (needs per-layer codebooks).
+  bool needs_codebooks() const { return key.format == Format::kNuq || value.format == Format::kNuq; }
+  /// The key / value config of layer l (the calibrated one when per_layer is set).
+  const QuantConfig& key_at(int l) const {
+    return per_layer.empty() ? key : per_layer.at(static_cast<size_t>(l)).first;
+  }
+  const QuantConfig& value_at(int l) const {
+    return per_layer.empty() ? value : per_layer.at(static_cast<size_t>(l)).second;
+  }
 };
 
 /// How slots are tied together (docs/policy.md, "The budget planner").
@@ -68,8 +83,9 @@ inline PlanGranularity parse_granularity(const std::string& s) {
 
 /// Candidates from a ';'-separated list of `[name=]spec` items, each spec one key term and one
 /// value term (a policy spec or preset without skip or per-layer overrides; its residual and
-/// sinks are ignored: plans store every complete group). nuq is refused (its codebook is
-/// per-layer calibration, not block bytes). Errors name the item.
+/// sinks are ignored: plans store every complete group). nuq candidates need their per-layer
+/// codebooks before they are measured or used (calibrate_plan_candidates). Errors name the
+/// item.
 inline std::vector<PlanCandidate> parse_plan_candidates(const std::string& list) {
   std::vector<PlanCandidate> out;
   size_t pos = 0;
@@ -94,9 +110,6 @@ inline std::vector<PlanCandidate> parse_plan_candidates(const std::string& list)
     } catch (const Error& e) {
       fail(ErrorKind::kInvalidArgument, "candidate '", item, "': ", e.what());
     }
-    KVQ_REQUIRE(p.key.format != Format::kNuq && p.value.format != Format::kNuq, kUnsupported,
-                "candidate '", item, "': nuq needs a calibrated codebook per layer; the planner "
-                "does not take nuq candidates");
     KVQ_REQUIRE(p.overrides.empty() && p.skip_first == 0 && p.skip_last == 0, kInvalidArgument,
                 "candidate '", item, "' must be one key term and one value term (no skip, no "
                 "per-layer overrides)");
@@ -109,13 +122,20 @@ inline std::vector<PlanCandidate> parse_plan_candidates(const std::string& list)
 }
 
 /// The default candidates: integers of 2, 3, 4 and 8 bits (keys per channel, values per
-/// token, groups of 32: KIVI's geometry), rotated Lloyd-Max of 2, 3 and 4 bits, e4m3 per head
-/// and f16.
+/// token, groups of 32: KIVI's geometry), nuq of 2, 3 and 4 bits in the same geometry, plain
+/// and with 1% dense-and-sparse outliers (KVQuant; codebooks calibrated per layer on the
+/// planner's calibration data), rotated Lloyd-Max of 2, 3 and 4 bits, e4m3 per head and f16.
 inline constexpr const char* kDefaultPlanCandidates =
     "int2=k=int2/channel/g32,v=int2/token/g32;"
     "int3=k=int3/channel/g32,v=int3/token/g32;"
     "int4=k=int4/channel/g32,v=int4/token/g32;"
     "int8=k=int8/channel/g32,v=int8/token/g32;"
+    "nuq2=k=nuq2/channel/g32,v=nuq2/token/g32;"
+    "nuq3=k=nuq3/channel/g32,v=nuq3/token/g32;"
+    "nuq4=k=nuq4/channel/g32,v=nuq4/token/g32;"
+    "nuq2+1%=k=nuq2/channel/g32/out1%,v=nuq2/token/g32/out1%;"
+    "nuq3+1%=k=nuq3/channel/g32/out1%,v=nuq3/token/g32/out1%;"
+    "nuq4+1%=k=nuq4/channel/g32/out1%,v=nuq4/token/g32/out1%;"
     "lm2=k=lm2/rot,v=lm2/rot;"
     "lm3=k=lm3/rot,v=lm3/rot;"
     "lm4=k=lm4/rot,v=lm4/rot;"
@@ -128,13 +148,12 @@ inline std::vector<PlanCandidate> default_plan_candidates() {
 
 /// Storage bits per value of `cfg` in a streaming cache of `kv_heads` x `head_dim`: the
 /// accountant's bytes of one complete stream block (the config as the cache streams it, the
-/// block's token count), metadata included, divided by its values. Refuses nuq (its codebook is
-/// per-layer metadata that depends on calibration, not on a block).
+/// block's token count), metadata included, divided by its values. Per-layer metadata that no
+/// block holds (a nuq codebook: 4 x 2^bits bytes per layer; NVFP4's tensor scale) is not in
+/// it: it does not grow with the sequence.
 inline double storage_bits(const QuantConfig& cfg, int kv_heads, int head_dim) {
   KVQ_REQUIRE(kv_heads > 0 && head_dim > 0, kInvalidArgument, "storage_bits: kv_heads ",
               kv_heads, " and head_dim ", head_dim, " must be positive");
-  KVQ_REQUIRE(cfg.format != Format::kNuq, kUnsupported, "storage_bits: nuq (", config_spec(cfg),
-              ") needs a calibrated codebook per layer; the planner does not take nuq candidates");
   const QuantConfig s = detail::streaming_config(cfg);
   const int64_t b = detail::stream_block_tokens(s, s);
   const Shape shape{b, kv_heads, head_dim};
@@ -310,25 +329,60 @@ inline Policy plan_policy(const PlanProblem& p, const PlanChoice& r) {
   std::map<std::pair<int, int>, int> count;
   for (int l = 0; l < p.n_layers; ++l)
     ++count[{r.choice[static_cast<size_t>(2 * l)], r.choice[static_cast<size_t>(2 * l + 1)]}];
+  // The base pair is the most common choice among candidates without per-layer configs (a
+  // layer that uses a per-layer candidate, nuq with its own codebook, always gets an override).
+  const auto uniform = [&](int c) { return p.candidates[static_cast<size_t>(c)].per_layer.empty(); };
   std::pair<int, int> base{-1, -1};
   int most = 0;
   for (const auto& [kv, n] : count) {
-    if (n > most) {
+    if (n > most && uniform(kv.first) && uniform(kv.second)) {
       most = n;
       base = kv;
     }
   }
   Policy pol;
-  pol.key = p.candidates[static_cast<size_t>(base.first)].key;
-  pol.value = p.candidates[static_cast<size_t>(base.second)].value;
+  if (base.first >= 0) {
+    pol.key = p.candidates[static_cast<size_t>(base.first)].key;
+    pol.value = p.candidates[static_cast<size_t>(base.second)].value;
+  } else {  // every layer overridden: the base is layer 0's choice
+    pol.key = p.candidates[static_cast<size_t>(r.choice[0])].key_at(0);
+    pol.value = p.candidates[static_cast<size_t>(r.choice[1])].value_at(0);
+  }
   for (int l = 0; l < p.n_layers; ++l) {
     const int kc = r.choice[static_cast<size_t>(2 * l)], vc = r.choice[static_cast<size_t>(2 * l + 1)];
     if (std::make_pair(kc, vc) == base) continue;
-    pol.overrides[l] = {p.candidates[static_cast<size_t>(kc)].key,
-                        p.candidates[static_cast<size_t>(vc)].value};
+    pol.overrides[l] = {p.candidates[static_cast<size_t>(kc)].key_at(l),
+                        p.candidates[static_cast<size_t>(vc)].value_at(l)};
   }
   pol.validate();
   return pol;
+}
+
+/// Learns the per-layer nuq codebooks of every candidate that needs them (needs_codebooks) on
+/// `data` (policy/calibrate.hpp: the candidate's keys and values on every layer, no sinks, as
+/// plans store them) and keeps them in the candidate's per_layer configs. Deterministic: a
+/// layer's codebook depends only on that layer's data and config, so a plan's nuq layers equal
+/// what kvq::calibrate learns for the plan's policy on the same data.
+inline void calibrate_plan_candidates(std::vector<PlanCandidate>& candidates,
+                                      const CalibrationSet& data,
+                                      const CalibrationOptions& opt = {}) {
+  for (PlanCandidate& c : candidates) {
+    if (!c.needs_codebooks()) continue;
+    Policy p;
+    p.key = c.key;
+    p.value = c.value;
+    p.residual = 0;
+    p.sinks = 0;
+    Policy cal;
+    try {
+      cal = calibrate(p, data, opt);
+    } catch (const Error& e) {
+      fail(e.kind(), "candidate '", c.name, "': ", e.what());
+    }
+    c.per_layer.clear();
+    for (int l = 0; l < data.n_layers; ++l)
+      c.per_layer.emplace_back(cal.key_for(l, data.n_layers), cal.value_for(l, data.n_layers));
+  }
 }
 
 /// Mean storage bits of `policy` on an n_layers model (keys and values of every layer, the
