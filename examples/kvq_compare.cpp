@@ -467,12 +467,17 @@ std::string calibrate_grid(std::vector<Scheme>& grid, const kvq_tools::Calibrati
 constexpr double kPlanBudgets[] = {2.5, 3.0, 3.5, 4.0, 5.0};
 
 /// The budget planner's schemes (docs/plan.md) on this input: for every layer, the attention
-/// output error of each default candidate on the keys alone and on the values alone (the other
+/// output error of each default candidate (nuq aside) on the keys alone and on the values alone (the other
 /// side exact), summed over the query positions; policy/plan.hpp's knapsack then picks the
 /// least summed error per budget. Unlike kvq_plan there is no end-to-end probe (a dump has no
 /// model), so every layer's error counts alike. Budgets no choice fits are listed in `skipped`.
 std::vector<Scheme> planned_schemes(const Input& in, std::vector<std::string>& skipped) {
-  const auto cands = kvq::default_plan_candidates();
+  // The default candidates but nuq: its codebooks would be learned on the evaluation rows
+  // themselves here (kvq_plan learns them on its calibration text).
+  auto cands = kvq::default_plan_candidates();
+  cands.erase(std::remove_if(cands.begin(), cands.end(),
+                             [](const kvq::PlanCandidate& c) { return c.needs_codebooks(); }),
+              cands.end());
   const kvq::Shape shape = in.shape;
   const int64_t qstride = static_cast<int64_t>(in.q_heads) * shape.head_dim;
   kvq::PlanProblem p;
