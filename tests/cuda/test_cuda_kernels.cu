@@ -69,6 +69,17 @@ QuantConfig lm_cfg(int bits, kvq::MetaDType meta = kvq::MetaDType::kF16) {
   return c;
 }
 
+/// nvfp4 (tensor scale g) or mxfp4.
+QuantConfig fp4_cfg(bool mx, float g = 1.f) {
+  QuantConfig c;
+  c.format = mx ? Format::kMxfp4 : Format::kNvfp4;
+  c.bits = 4;
+  c.axis = Axis::kToken;  // blocks of 16 / 32 channels, as the spec parser sets them
+  c.group = mx ? 32 : 16;
+  c.fp4_tensor_scale = g;
+  return c;
+}
+
 /// nuq<bits> with a fixed, non-uniform codebook (levels in the normalized space [0, 1]).
 QuantConfig nuq_cfg(int bits, Axis axis, int64_t group, kvq::MetaDType meta = kvq::MetaDType::kF16) {
   QuantConfig c = int_cfg(bits, axis, group, false, meta);  // same grouping fields
@@ -117,6 +128,9 @@ std::vector<Pair> elementwise_pairs() {
       {"nuq4 channel g16 f32meta / nuq2 token g0", nuq_cfg(4, Axis::kChannel, 16, kvq::MetaDType::kF32),
        nuq_cfg(2, Axis::kToken, 0)},
       {"nuq2 head g16 / int4 token g32", nuq_cfg(2, Axis::kHead, 16), int_cfg(4, Axis::kToken, 32)},
+      {"nvfp4 / nvfp4", fp4_cfg(false), fp4_cfg(false)},
+      {"mxfp4 / nvfp4 tensor scale 0.01", fp4_cfg(true), fp4_cfg(false, 0.01f)},
+      {"nvfp4 tensor scale 3 / mxfp4", fp4_cfg(false, 3.f), fp4_cfg(true)},
   };
 }
 /// Pairs with dense-and-sparse outliers (per token and per channel, k 1 to 4, 32, over int,
@@ -265,9 +279,8 @@ void emulated_append(const PageLayout& layout, Pages& pages, int64_t pos,
   const kvq::cuda::TensorDesc* X[2] = {&L.k, &L.v};
   const std::vector<float>* in[2] = {&k, &v};
   for (int t = 0; t < 2; ++t) {
-    const auto f = static_cast<Format>(X[t]->format);
-    const bool grouped =
-        f == Format::kInt || f == Format::kE4M3 || f == Format::kE5M2 || f == Format::kNuq;
+    const kvq::cuda::detail::AppendPasses passes = kvq::cuda::detail::append_passes(*X[t]);
+    const bool grouped = passes.grouped;
     const int64_t boxes = grouped ? n / X[t]->gt * X[t]->nh * X[t]->nc : 0;
     const bool out = X[t]->outliers > 0;
     if (out) {  // passes S and O
@@ -288,7 +301,7 @@ void emulated_append(const PageLayout& layout, Pages& pages, int64_t pos,
       kvq::cuda::detail::append_encode(*X[t], L, ptrs.data(), pos, in[t]->data(), i,
                                        scratch.data(), out ? chosen.data() : nullptr,
                                        out ? obox.data() : nullptr);
-    if ((f == Format::kInt && X[t]->bits < 8) || f == Format::kNuq) {
+    if (passes.packed) {  // (Lloyd-Max layouts are skipped by the callers)
       for (int64_t i = 0; i < n * L.H * L.D * X[t]->bits / 8; ++i)
         kvq::cuda::detail::append_pack(*X[t], L, ptrs.data(), pos, i, scratch.data());
     }
@@ -416,6 +429,21 @@ TEST(HostEmulated, AppendReportsNonFiniteAndOverflowLikeTheCpu) {
   Pages co = zero_pages(Lo, 1);
   EXPECT_EQ(error_kind([&] { cpu_append(Lo, co, 0, ko, vo, kP); }), kOutOfRange)
       << "the CPU must refuse an outlier beyond fp16";
+  // FP4: NaN refused by the block pass (kNonFinite naming the element), like the CPU.
+  for (const QuantConfig& f : {fp4_cfg(false), fp4_cfg(true)}) {
+    const PageLayout Lf = kvq::make_page_layout(f, f, kP, kH, kD);
+    auto kf = make_input(Input::kGaussian, kP, kH, kD, 9), vf = kf;
+    vf[1234] = -INFINITY;
+    Pages pf = zero_pages(Lf, 1);
+    kvq::cuda::AppendStatus st5;
+    emulated_append(Lf, pf, 0, kf, vf, kP, st5);
+    EXPECT_EQ(st5.code, static_cast<int32_t>(kvq::elem::ElementStatus::kNonFinite)) << f.name();
+    EXPECT_EQ(st5.tensor, 1);
+    EXPECT_EQ(st5.where, 1234);
+    Pages cf = zero_pages(Lf, 1);
+    EXPECT_EQ(error_kind([&] { cpu_append(Lf, cf, 0, kf, vf, kP); }),
+              static_cast<int>(kvq::ErrorKind::kNonFinite));
+  }
   vo[5] = NAN;
   kvq::cuda::AppendStatus st4;
   emulated_append(Lo, po, 0, ko, vo, kP, st4);
@@ -898,6 +926,8 @@ TEST(HostEmulated, DecodeVectorPathsCoverTheProductionFormats) {
       {"int4 token g32 + 1 outlier", with_outliers(int_cfg(4, Axis::kToken, 32), 1), 128,
        d::kVecGeneric, 0, 0},
       {"f16 at head_dim 20", raw_cfg(Format::kF16), 20, d::kVecGeneric, 0, 0},
+      {"nvfp4 (element by element)", fp4_cfg(false), 128, d::kVecGeneric, 0, 0},
+      {"mxfp4 (element by element)", fp4_cfg(true), 64, d::kVecGeneric, 0, 0},
   };
   for (const Want& w : wants) {
     const d::VecInfo v = info(w.c, w.D);

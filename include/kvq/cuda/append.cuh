@@ -172,7 +172,25 @@ KVQ_HOST_DEVICE void outlier_select(const TensorDesc& X, const PagedDesc& L,
   }
 }
 
-/// Pass 1 for group box idx of the new tokens [pos, pos + n) (int, fp8 and nuq). With
+/// Which passes an append of X runs besides the encode pass (run_tensor, and the tests that
+/// emulate it on the host): the parameter pass per group box (int, fp8, nuq, FP4 blocks) and
+/// the pack pass of sub-byte codes (int below 8 bits, nuq, FP4; Lloyd-Max packs in its own
+/// kernel's pass too).
+struct AppendPasses {
+  bool grouped = false;
+  bool packed = false;
+};
+inline AppendPasses append_passes(const TensorDesc& X) {
+  const auto f = static_cast<Format>(X.format);
+  AppendPasses p;
+  p.grouped = f == Format::kInt || f == Format::kE4M3 || f == Format::kE5M2 || X.is_nuq() ||
+              X.is_fp4();
+  p.packed = (f == Format::kInt && X.bits < 8) || X.is_lm() || X.is_nuq() || X.is_fp4();
+  return p;
+}
+
+/// Pass 1 for group box idx of the new tokens [pos, pos + n) (int, fp8, nuq and the FP4
+/// blocks, whose scale byte comes from the block's largest magnitude as on the CPU). With
 /// outliers (chosen, boxes non-null) the range is that of the box's unflagged elements.
 template <class T>
 KVQ_HOST_DEVICE void append_params(const TensorDesc& X, const PagedDesc& L, std::byte* const* pages,
@@ -198,6 +216,15 @@ KVQ_HOST_DEVICE void append_params(const TensorDesc& X, const PagedDesc& L, std:
         lo = v < lo ? v : lo;
         hi = v > hi ? v : hi;
       }
+  if (X.is_fp4()) {  // the block's scale byte from its largest magnitude (no outliers)
+    const float mag = -lo > hi ? -lo : hi;  // max |x| of the block (all finite here)
+    const float amax = mag > 0.f ? mag : 0.f;
+    const auto g = static_cast<std::size_t>(X.box(tp, hb * X.gh, cb * X.gc));
+    page[X.scales + g] = X.format == static_cast<int32_t>(Format::kMxfp4)
+                             ? fp4::mx_scale_code(amax)
+                             : fp4::nv_scale_code(amax, X.fp4_g);
+    return;
+  }
   if (boxes != nullptr) {
     OutlierBox& b = boxes[idx];
     b.dense = lo <= hi ? 1 : 0;
@@ -220,7 +247,7 @@ KVQ_HOST_DEVICE void append_params(const TensorDesc& X, const PagedDesc& L, std:
   if (X.has_zeros) elem::store_meta(page + X.zeros, X.f16meta != 0, g, p.zero);
 }
 
-/// Pass 2 for element idx of the new tokens (raw, int, fp8, nuq): the code byte (in place when 8
+/// Pass 2 for element idx of the new tokens (raw, int, fp8, nuq, FP4): the code byte (in place when 8
 /// or more bits wide, else into scratch[idx]). With outliers, a flagged element is encoded as
 /// its value clamped to its box's dense range (the mean when the box has no dense element).
 template <class T>
@@ -281,6 +308,14 @@ KVQ_HOST_DEVICE void append_encode(const TensorDesc& X, const PagedDesc& L, std:
       const float s = elem::load_meta(page + X.scales, X.f16meta != 0, g);
       const float z = elem::load_meta(page + X.zeros, X.f16meta != 0, g);
       scratch[idx] = elem::nuq_encode(X.thresholds, X.bits, v, z, elem::int_inv(s));
+      return;
+    }
+    case Format::kNvfp4:
+    case Format::kMxfp4: {  // e2m1 codes through the scratch and the pack pass
+      const uint8_t sc = page[X.scales + static_cast<std::size_t>(X.box(tp, h, d))];
+      scratch[idx] = X.format == static_cast<int32_t>(Format::kMxfp4)
+                         ? fp4::mx_encode(v, sc)
+                         : fp4::nv_encode(v, fp4::nv_element_scale(sc, X.fp4_g));
       return;
     }
     default: return;
@@ -518,9 +553,7 @@ class AppendPlan {
       }
       detail::check_launch(name);
     } else {
-      const bool grouped = X.format == static_cast<int32_t>(Format::kInt) ||
-                           X.format == static_cast<int32_t>(Format::kE4M3) ||
-                           X.format == static_cast<int32_t>(Format::kE5M2) || X.is_nuq();
+      const bool grouped = detail::append_passes(X).grouped;
       const int64_t boxes = grouped ? n / X.gt * X.nh * X.nc : 0;
       uint8_t* chosen = nullptr;
       detail::OutlierBox* obox = nullptr;
@@ -544,9 +577,7 @@ class AppendPlan {
           X, L_, pages, pos, x, elems, scratch, st, chosen, obox);
       detail::check_launch(name);
     }
-    const bool packed =
-        (X.format == static_cast<int32_t>(Format::kInt) && X.bits < 8) || X.is_lm() || X.is_nuq();
-    if (packed) {
+    if (detail::append_passes(X).packed) {
       const int64_t bytes = elems * X.bits / 8;
       detail::append_pack_kernel<<<detail::blocks_for(bytes, kThreads), kThreads, 0, stream>>>(
           X, L_, pages, pos, bytes, scratch, st);

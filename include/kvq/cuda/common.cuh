@@ -10,16 +10,19 @@
 /// accepts), e4m3/e5m2, nuq2/3/4 (calibrated codebook), lm1..4 without QJL for power-of-two
 /// head_dim in [32, 256], and dense-and-sparse outliers over int, fp8 and nuq (load_element
 /// applies a vector's exact outliers; AppendPlan selects them, at most kMaxGpuOutliers per
-/// vector). QJL and the FP4 formats (nvfp4, mxfp4) are CPU-only: make_paged_desc throws
-/// kUnsupported.
+/// vector). The FP4 formats (nvfp4, mxfp4): one e2m1 code per element, one scale byte per
+/// block of 16 / 32 channels (format/fp4.hpp's element math, the CPU's bits). QJL is CPU-only:
+/// make_paged_desc throws kUnsupported.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 
 #include "kvq/core/error.hpp"
 #include "kvq/format/element.hpp"
+#include "kvq/format/fp4.hpp"
 #include "kvq/layout/page_layout.hpp"
 #include "kvq/quant/lloyd_max_quant.hpp"
 #include "kvq/quant/nuq_quant.hpp"
@@ -43,6 +46,7 @@ struct TensorDesc {
   float off = 0.f;        ///< int code offset (2^(b-1) symmetric, else 0)
   float qmax = 0.f;       ///< int largest code
   float margin = 1.f;     ///< fp8 scale margin
+  float fp4_g = 1.f;      ///< nvfp4: the per-tensor decode scale (QuantConfig::fp4_tensor_scale)
   int64_t gt = 1, gh = 1, gc = 1;  ///< group box on the page shape [P, H, D]
   int64_t nh = 1, nc = 1;          ///< boxes along heads and channels
   uint64_t codes = 0, scales = 0, zeros = 0, norms = 0;  ///< region offsets in the page
@@ -60,6 +64,10 @@ struct TensorDesc {
 
   KVQ_HOST_DEVICE bool is_lm() const { return format == static_cast<int32_t>(Format::kLloydMax); }
   KVQ_HOST_DEVICE bool is_nuq() const { return format == static_cast<int32_t>(Format::kNuq); }
+  KVQ_HOST_DEVICE bool is_fp4() const {
+    return format == static_cast<int32_t>(Format::kNvfp4) ||
+           format == static_cast<int32_t>(Format::kMxfp4);
+  }
   /// Group box of element (t, h, d) of the page (GroupBox::index).
   KVQ_HOST_DEVICE int64_t box(int64_t t, int64_t h, int64_t d) const {
     return ((t / gt) * nh + h / gh) * nc + d / gc;
@@ -148,12 +156,25 @@ inline TensorDesc make_tensor_desc(const QuantConfig& c, const TensorRegions& r,
       return d;
     }
     case Format::kNvfp4:
-    case Format::kMxfp4:
-      // The element math (format/fp4.hpp) is host/device, but no append / dequantize / decode
-      // kernel reads FP4 pages yet: refused here rather than misread.
-      fail(ErrorKind::kUnsupported, name, ": ", c.name(),
-           " pages have no GPU kernels yet (CPU only: quantize, dequantize and the fused CPU "
-           "attention read them)");
+    case Format::kMxfp4: {
+      // Blocks of `blk` consecutive channels of one (token, head) vector: the group box
+      // (1, 1, blk), one scale byte per box in [tokens, heads, head_dim / blk] order.
+      const int64_t blk = fp4_block(c.format);
+      KVQ_REQUIRE(s.head_dim % blk == 0, kShapeMismatch, name, ": ", c.name(),
+                  " needs head_dim to be a multiple of its block of ", blk, " channels, got ",
+                  s.head_dim);
+      KVQ_REQUIRE(std::isfinite(c.fp4_tensor_scale) && c.fp4_tensor_scale > 0.f,
+                  kInvalidArgument, name, ": ", c.name(),
+                  ": tensor scale must be finite and > 0, got ", c.fp4_tensor_scale);
+      d.bits = 4;
+      d.fp4_g = c.fp4_tensor_scale;
+      d.gt = 1;
+      d.gh = 1;
+      d.gc = blk;
+      d.nh = s.heads;
+      d.nc = s.head_dim / blk;
+      return d;
+    }
     default:
       fail(ErrorKind::kUnsupported, name, ": format ", c.name(), " has no GPU kernels");
   }
@@ -252,6 +273,14 @@ KVQ_HOST_DEVICE float load_element(const TensorDesc& T, const uint8_t* page, int
       const float n = elem::load_meta(page + T.norms, T.f16meta != 0,
                                       static_cast<std::size_t>(t * H + h));
       return elem::mul_rn(T.centroids[elem::get_code(codes, i, T.bits)], n);
+    }
+    case Format::kNvfp4:
+    case Format::kMxfp4: {
+      const uint8_t sc = page[T.scales + static_cast<std::size_t>(T.box(t, h, d))];
+      const auto c = static_cast<uint8_t>(elem::get_code(codes, i, 4));
+      return T.format == static_cast<int32_t>(Format::kMxfp4)
+                 ? fp4::mx_decode(c, sc)
+                 : fp4::nv_decode(c, fp4::nv_element_scale(sc, T.fp4_g));
     }
     default: return 0.f;
   }
