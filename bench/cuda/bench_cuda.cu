@@ -9,7 +9,7 @@
 // for the schemes f16, fp8 (e4m3 per token), k8v4 (int8 per-channel g64 keys, int4 per-token g32
 // values), kivi4 (int4 per-channel g32 keys, int4 per-token g32 values), and KVQuant's formats:
 // kivi4-out1 (kivi4 with 1% dense-and-sparse outliers), nuq3 (per-channel g32 keys, per-token g32
-// values, a fixed codebook) and nuq3-out1.
+// values, a fixed codebook) and nuq3-out1; the FP4 formats nvfp4 and mxfp4 (K and V).
 // Without a visible device it prints why and exits 0 (nothing to measure). Output: one line per
 // measurement, "name<TAB>metric=value ..." (bench/cuda/run_device_checks.sh tabulates it).
 #include <cuda_runtime.h>
@@ -129,6 +129,8 @@ int main(int argc, char** argv) {
        with_pct(cfg(kvq::Format::kInt, 4, kvq::Axis::kToken, 32), 1.f)},
       {"nuq3", nuq(3, kvq::Axis::kChannel, 32), nuq(3, kvq::Axis::kToken, 32)},
       {"nuq3-out1", nuq(3, kvq::Axis::kChannel, 32, 1), nuq(3, kvq::Axis::kToken, 32, 1)},
+      {"nvfp4", cfg(kvq::Format::kNvfp4, 4, kvq::Axis::kToken, 16), cfg(kvq::Format::kNvfp4, 4, kvq::Axis::kToken, 16)},
+      {"mxfp4", cfg(kvq::Format::kMxfp4, 4, kvq::Axis::kToken, 32), cfg(kvq::Format::kMxfp4, 4, kvq::Axis::kToken, 32)},
   };
   // (batch, tokens per sequence): one long sequence at three lengths, and the engine case of
   // 32 sequences of 32k tokens (issue target: fp8 / int4 decode >= 0.7 of the copy bandwidth).
