@@ -10,7 +10,8 @@
 // be given several times; a policy that needs nuq codebooks takes the first calibration file
 // whose codebooks fit its normalization, else the first KV dump or text among the paths. A
 // calibration file that does not parse, or that fits none of the tool's policies, is an error
-// (exit 1), as is a nuq policy that no path calibrates.
+// (exit 1), as is a nuq policy that no path calibrates. With --calibrate, NVFP4 layers left at
+// the default tensor scale 1 take theirs from the same source (kvq::calibrate).
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -264,11 +265,16 @@ std::string calibrate_policies(std::vector<kvq::Policy>& ps, const CalibrationAr
                                int n_layers, const kvq::eval::KVGeometry* geo, bool prerope,
                                RunText&& run_text, const char* tool) {
   std::size_t n_cal = 0, i_cal = 0;
-  for (const kvq::Policy& p : ps) n_cal += kvq::needs_calibration(p, n_layers) ? 1 : 0;
+  // nuq policies always; NVFP4 policies at the default tensor scale when --calibrate is given.
+  auto wants = [&](const kvq::Policy& p) {
+    return kvq::needs_calibration(p, n_layers) ||
+           (!args.paths.empty() && kvq::calibrates(p, n_layers));
+  };
+  for (const kvq::Policy& p : ps) n_cal += wants(p) ? 1 : 0;
   CalibrationFiles files;
   std::string all;  // distinct sources, in order
   for (kvq::Policy& p : ps) {
-    if (!kvq::needs_calibration(p, n_layers)) continue;
+    if (!wants(p)) continue;
     std::fprintf(stderr, "%s: calibrating %s ...\n", tool, p.spec().c_str());
     std::string what;
     p = calibrate_policy(p, args, n_layers, geo, prerope, run_text, files, &what);

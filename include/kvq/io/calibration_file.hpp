@@ -7,7 +7,10 @@
 ///   {"format": "kvq-calibration", "version": 1,
 ///    "spec": "<Policy::spec() of the calibrated policy: per-layer overrides included>",
 ///    "n_layers": L, "weights": "sensitivity" | "uniform", "source": "<free text>",
-///    "codebooks": [{"layer": l, "tensor": "k" | "v", "bits": b, "levels": [2^b numbers]}, ...]}
+///    "codebooks": [{"layer": l, "tensor": "k" | "v", "bits": b, "levels": [2^b numbers]}, ...],
+///    "tensor_scales": [{"layer": l, "tensor": "k" | "v", "scale": g}, ...]}
+/// "tensor_scales" (optional; NVFP4 layers whose scale differs from 1) holds the calibrated
+/// per-tensor decode scales, which the spec grammar does not spell.
 /// Levels are written with 9 significant digits (float round trip is exact). load_calibration
 /// rejects, with a kParse error naming the file and the field: other formats or versions,
 /// missing or mistyped fields, a spec that does not parse, layers outside [0, L), a codebook for
@@ -86,6 +89,18 @@ inline std::string calibration_json(const Policy& p, int n_layers, const std::st
         o << (i ? ", " : "") << b;
       }
       o << "]}";
+      first = false;
+    }
+  o << "\n  ],\n  \"tensor_scales\": [";
+  first = true;
+  for (int l = 0; l < n_layers; ++l)
+    for (int kv = 0; kv < 2; ++kv) {
+      const QuantConfig c = kv == 0 ? p.key_for(l, n_layers) : p.value_for(l, n_layers);
+      if (c.format != Format::kNvfp4 || c.fp4_tensor_scale == 1.0f) continue;
+      char b[32];
+      std::snprintf(b, sizeof b, "%.9g", static_cast<double>(c.fp4_tensor_scale));
+      o << (first ? "\n" : ",\n") << "    {\"layer\": " << l << ", \"tensor\": \""
+        << (kv == 0 ? "k" : "v") << "\", \"scale\": " << b << "}";
       first = false;
     }
   o << "\n  ]\n}\n";
@@ -175,6 +190,38 @@ inline CalibrationFile parse_calibration(std::string_view text, const std::strin
     c.nuq_ready = true;
     out.policy.overrides[l] = {kc, vc};
   }
+  if (const io::Json* tss = j.find("tensor_scales")) {
+    if (!tss->is_array()) bad("\"tensor_scales\" must be an array");
+    std::vector<uint8_t> seen_ts(static_cast<std::size_t>(2 * out.n_layers), 0);
+    for (std::size_t i = 0; i < tss->size(); ++i) {
+      const io::Json& e = tss->items()[i];
+      const std::string at = "tensor_scales[" + std::to_string(i) + "]";
+      if (!e.is_object()) bad(at + " is not an object");
+      const io::Json& lj = field(e, "layer");
+      const auto layer = lj.is_number() ? lj.as_int64() : std::nullopt;
+      if (!layer || *layer < 0 || *layer >= out.n_layers)
+        bad(at + ".layer must be an integer in [0, " + std::to_string(out.n_layers) + ")");
+      const io::Json& tj = field(e, "tensor");
+      if (!tj.is_string() || (tj.as_string() != "k" && tj.as_string() != "v"))
+        bad(at + ".tensor must be \"k\" or \"v\"");
+      const int kv = tj.as_string() == "k" ? 0 : 1;
+      const int l = static_cast<int>(*layer);
+      if (seen_ts[static_cast<std::size_t>(2 * l + kv)]++)
+        bad(at + " duplicates layer " + std::to_string(l) + " " + tj.as_string());
+      QuantConfig kc = out.policy.key_for(l, out.n_layers), vc = out.policy.value_for(l, out.n_layers);
+      QuantConfig& c = kv == 0 ? kc : vc;
+      if (c.format != Format::kNvfp4)
+        bad(at + ": layer " + std::to_string(l) + " " + tj.as_string() + " uses " + c.name() +
+            ", not nvfp4");
+      const io::Json& gj = field(e, "scale");
+      const double g = gj.is_number() ? std::strtod(gj.number_text().c_str(), nullptr) : NAN;
+      if (!(std::isfinite(g) && g >= 1.2e-38 && g <= 3.0e38))
+        bad(at + ".scale must be a positive normal float, got " +
+            (gj.is_number() ? gj.number_text() : std::string("a non-number")));
+      c.fp4_tensor_scale = static_cast<float>(g);
+      out.policy.overrides[l] = {kc, vc};
+    }
+  }
   try {
     check_calibrated(out.policy, out.n_layers);
   } catch (const Error& e) {
@@ -183,22 +230,26 @@ inline CalibrationFile parse_calibration(std::string_view text, const std::strin
   return out;
 }
 
-/// `policy` with the codebooks of a calibration file: every nuq (layer, K/V) of `policy` takes
-/// the file's codebook for it, which must have been learned under the same normalization (nuq
-/// bits, axis, group, metadata type and outliers); throws kInvalidArgument naming the first
-/// mismatch, or when the file was made for another depth.
+/// `policy` with the codebooks and NVFP4 tensor scales of a calibration file: every nuq
+/// (layer, K/V) of `policy` takes the file's codebook for it, which must have been learned
+/// under the same normalization (nuq bits, axis, group, metadata type and outliers); every
+/// NVFP4 (layer, K/V) left at the default scale 1 takes the file's scale where the file's
+/// config there is NVFP4 too. Throws kInvalidArgument naming the first nuq mismatch, or when
+/// the file was made for another depth.
 inline Policy apply_calibration(const Policy& policy, const CalibrationFile& file, int n_layers) {
   KVQ_REQUIRE(file.n_layers == n_layers, kInvalidArgument, "the calibration file is for ",
               file.n_layers, " layers but the model has ", n_layers);
   Policy out = policy;
-  if (!needs_calibration(policy, n_layers)) return out;
+  if (!calibrates(policy, n_layers)) return out;
   for (int l = 0; l < n_layers; ++l) {
     QuantConfig kc = policy.key_for(l, n_layers), vc = policy.value_for(l, n_layers);
     for (int kv = 0; kv < 2; ++kv) {
       QuantConfig& c = kv == 0 ? kc : vc;
-      if (c.format != Format::kNuq) continue;
       const QuantConfig f = kv == 0 ? file.policy.key_for(l, n_layers)
                                     : file.policy.value_for(l, n_layers);
+      if (nvfp4_scale_calibrates(c) && f.format == Format::kNvfp4)
+        c.fp4_tensor_scale = f.fp4_tensor_scale;
+      if (c.format != Format::kNuq) continue;
       KVQ_REQUIRE(f.format == Format::kNuq && f.nuq_ready && f.bits == c.bits &&
                       f.axis == c.axis && f.group == c.group && f.meta == c.meta &&
                       f.outliers == c.outliers && f.outlier_pct == c.outlier_pct,

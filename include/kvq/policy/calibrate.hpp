@@ -1,6 +1,8 @@
 #pragma once
 /// \file calibrate.hpp (policy/)
-/// Calibration of nuq codebooks (KVQuant): kvq::calibrate(policy, source) learns, for every
+/// Calibration of nuq codebooks (KVQuant) and NVFP4 tensor scales: kvq::calibrate(policy,
+/// source) sets, for every NVFP4 (layer, K/V) left at the default tensor scale 1, the scale
+/// amax / (6 x 448) of that layer's calibration data, and learns, for every
 /// layer and for keys and values whose config is nuq<b>, a codebook of 2^b levels by weighted
 /// k-means (format/nuq.hpp) on the normalized values the quantizer will see, and returns the
 /// calibrated policy: a Policy whose per-layer overrides carry the codebooks
@@ -32,6 +34,7 @@
 #include <vector>
 
 #include "kvq/core/error.hpp"
+#include "kvq/format/fp4.hpp"
 #include "kvq/format/nuq.hpp"
 #include "kvq/geometry/outliers.hpp"
 #include "kvq/policy/spec.hpp"
@@ -64,6 +67,9 @@ struct CalibrationOptions {
   CalibrationWeights weights = CalibrationWeights::kSensitivity;
   int max_iterations = 1000;              ///< Lloyd iterations cap (k-means)
   std::size_t max_samples = 4u << 20;     ///< per (layer, K/V): larger sets are strided down
+  /// NVFP4 layers whose tensor scale is the uncalibrated default (1): set it from the data
+  /// (nvfp4_tensor_scale below). A scale given in code (any other value) is kept.
+  bool nvfp4_tensor_scale = true;
 };
 
 namespace detail {
@@ -236,7 +242,37 @@ inline NuqCodebook calibrate_one(const CalibrationSet& s, int layer, bool is_key
   return learn_nuq_codebook(u, w.empty() || !(wsum > 0) ? nullptr : &w, cfg.bits, ko);
 }
 
+/// Largest magnitude of one layer's keys or values over the calibration sequences, after the
+/// policy's sinks (which stay f32); throws kNonFinite on NaN/Inf.
+inline float calibration_amax(const CalibrationSet& s, int layer, bool is_key, int sinks) {
+  const int64_t HD = static_cast<int64_t>(s.kv_heads) * s.head_dim;
+  float amax = 0.f;
+  for (const auto& seq : s.sequences) {
+    const auto& L = seq.layers[static_cast<std::size_t>(layer)];
+    const std::vector<float>& X = is_key ? L.k : L.v;
+    for (std::size_t i = static_cast<std::size_t>(std::min<int64_t>(sinks, seq.tokens) * HD);
+         i < static_cast<std::size_t>(seq.tokens * HD); ++i) {
+      KVQ_REQUIRE(std::isfinite(X[i]), kNonFinite, "calibrate: layer ", layer,
+                  is_key ? " keys" : " values", " hold a non-finite value");
+      amax = std::max(amax, std::fabs(X[i]));
+    }
+  }
+  return amax;
+}
+
 }  // namespace detail
+
+/// True when `c` is an NVFP4 config whose tensor scale kvq::calibrate sets from the data: the
+/// uncalibrated default 1 (TensorRT-LLM's and vLLM's uncalibrated KV scale).
+inline bool nvfp4_scale_calibrates(const QuantConfig& c) {
+  return c.format == Format::kNvfp4 && c.fp4_tensor_scale == 1.0f;
+}
+
+/// The NVFP4 tensor scale of data whose largest magnitude is amax: amax / (6 x 448)
+/// (fp4::nv_tensor_scale_from_amax: the largest block of the calibration data takes the largest
+/// e4m3 block scale, so no calibrated block saturates and small blocks keep normal e4m3
+/// scales), 1 for all-zero data.
+inline float nvfp4_tensor_scale(float amax) { return fp4::nv_tensor_scale_from_amax(amax); }
 
 /// True when some layer of an n_layers model stores keys or values as nuq.
 inline bool needs_calibration(const Policy& p, int n_layers) {
@@ -259,20 +295,37 @@ inline void check_calibrated(const Policy& p, int n_layers) {
     }
 }
 
-/// Learns every nuq codebook the policy needs on `data` and returns the calibrated policy
-/// (per-layer overrides for every layer, carrying the codebooks). A policy without nuq comes
+/// True when kvq::calibrate (with default options) changes something in `p` on an n_layers
+/// model: a nuq codebook to learn or an NVFP4 tensor scale to set (nvfp4_scale_calibrates).
+inline bool calibrates(const Policy& p, int n_layers) {
+  if (needs_calibration(p, n_layers)) return true;
+  for (int l = 0; l < n_layers; ++l)
+    if (nvfp4_scale_calibrates(p.key_for(l, n_layers)) ||
+        nvfp4_scale_calibrates(p.value_for(l, n_layers)))
+      return true;
+  return false;
+}
+
+/// Learns every nuq codebook the policy needs on `data`, sets the tensor scale of every NVFP4
+/// layer left at the default 1 from the data's largest magnitude of that layer's keys or values
+/// (nvfp4_tensor_scale; opt.nvfp4_tensor_scale), and returns the calibrated policy (per-layer
+/// overrides for every layer, carrying the codebooks and scales). A policy with neither comes
 /// back unchanged. Deterministic.
 inline Policy calibrate(const Policy& policy, const CalibrationSet& data,
                         const CalibrationOptions& opt = {}) {
   policy.validate();
   detail::check_calibration_set(data);
   const int L = data.n_layers;
-  if (!needs_calibration(policy, L)) return policy;
+  const bool scales = opt.nvfp4_tensor_scale && calibrates(policy, L);
+  if (!needs_calibration(policy, L) && !scales) return policy;
   Policy out = policy;
   for (int l = 0; l < L; ++l) {
     QuantConfig kc = policy.key_for(l, L), vc = policy.value_for(l, L);
     for (int kv = 0; kv < 2; ++kv) {
       QuantConfig& c = kv == 0 ? kc : vc;
+      if (opt.nvfp4_tensor_scale && nvfp4_scale_calibrates(c))
+        c.fp4_tensor_scale =
+            nvfp4_tensor_scale(detail::calibration_amax(data, l, kv == 0, policy.sinks));
       if (c.format != Format::kNuq) continue;
       const NuqCodebook cb = detail::calibrate_one(data, l, kv == 0, c, policy.sinks, opt);
       c.nuq_levels = cb.levels;
