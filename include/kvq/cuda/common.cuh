@@ -10,8 +10,8 @@
 /// accepts), e4m3/e5m2, nuq2/3/4 (calibrated codebook), lm1..4 without QJL for power-of-two
 /// head_dim in [32, 256], and dense-and-sparse outliers over int, fp8 and nuq (load_element
 /// applies a vector's exact outliers; AppendPlan selects them, at most kMaxGpuOutliers per
-/// vector). QJL and the FP4 formats (nvfp4, mxfp4) are CPU-only: make_paged_desc throws
-/// kUnsupported.
+/// vector). QJL, the FP4 formats (nvfp4, mxfp4) and rotated int / fp8 (/rot) are CPU-only:
+/// make_paged_desc throws kUnsupported.
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -80,6 +80,9 @@ inline TensorDesc make_tensor_desc(const QuantConfig& c, const TensorRegions& r,
   const char* name = "make_paged_desc";
   KVQ_REQUIRE(!c.qjl, kUnsupported, name, ": ", c.name(),
               ": the QJL residual is not implemented on the GPU (CPU only)");
+  KVQ_REQUIRE(!(c.rotate && c.format != Format::kLloydMax), kUnsupported, name, ": ", c.name(),
+              ": the rotation of int / fp8 / FP4 formats (/rot) is not implemented on the GPU "
+              "(CPU only)");
   TensorDesc d;
   d.format = static_cast<int32_t>(c.format);
   d.f16meta = c.meta == MetaDType::kF16 ? 1 : 0;
