@@ -2,6 +2,7 @@
 // quant/rotated_quant.hpp): spec grammar and refusals, quantize/dequantize against an oracle
 // built from the reference rotation (reference/rotation_ref.hpp) and the unrotated quantizers
 // (the int codes from reference/uniform_ref.hpp), the accountant, pages and the streaming cache.
+// KVQ_TEST_SCALAR_TOO: also built with KVQ_NO_SIMD.
 #include <gtest/gtest.h>
 
 #include <cmath>
