@@ -811,6 +811,7 @@ NB_MODULE(KVQ_PY_MODULE, m) {
       .def_ro("fp8_margin", &kvq::QuantConfig::fp8_margin)
       .def_ro("fp4_tensor_scale", &kvq::QuantConfig::fp4_tensor_scale)
       .def_ro("qjl", &kvq::QuantConfig::qjl)
+      .def_ro("rotate", &kvq::QuantConfig::rotate)
       .def_ro("outliers", &kvq::QuantConfig::outliers)
       .def_ro("outlier_pct", &kvq::QuantConfig::outlier_pct)
       .def_ro("nuq_ready", &kvq::QuantConfig::nuq_ready)

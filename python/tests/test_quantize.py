@@ -24,6 +24,8 @@ TERMS = [
     "lm1", "lm2", "lm3", "lm4", "lm4/f32meta", "lm3/qjl",
     # dense-and-sparse outliers: their fp16 values and positions are buffers too
     "int4/token/g32/out2", "int2/channel/g32/out1%", "e4m3/head/out4",
+    # rotated int / fp8 (/rot): the plain format's bytes of the rotated vectors
+    "sint4/token/g32/rot", "int4/channel/g32/rot", "e4m3/head/rot",
 ]
 BUFFERS = ("codes", "scales", "zeros", "norms", "qjl_signs", "qjl_norms", "outlier_values", "outlier_pos")
 
@@ -407,3 +409,12 @@ def test_simd_variants_agree() -> None:
                                            err_msg=f"{term}: {v} vs {names[0]}")
             else:
                 assert np.array_equal(outs[v], outs[names[0]]), f"{term}: {v} dequantizes differently"
+
+
+def test_rotate_field() -> None:
+    c = kvq.QuantConfig("sint4/token/g32/rot")
+    assert c.rotate
+    assert c.spec == "sint4/token/g32/rot"
+    assert not kvq.QuantConfig("sint4/token/g32").rotate
+    assert c != kvq.QuantConfig("sint4/token/g32")
+    assert not kvq.QuantConfig("lm4").rotate  # Lloyd-Max rotates by itself

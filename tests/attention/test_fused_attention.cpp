@@ -269,6 +269,80 @@ TEST(FusedAttention, PreRopeKeys) {
       }
 }
 
+// ---- rotated int / fp8 / FP4 (spec /rot): keys scored against the rotated queries, values
+// accumulated in the rotated domain and rotated back once per unit; f32 sinks and residual stay
+// unrotated. The oracle attends over the dequantized (original-basis) rows. Every rotated
+// format as keys and as values (next to rotated, plain and Lloyd-Max partners), at per-head
+// (GQA 4, head_dim 64; head_dim 96 = 3 x 32, two Hadamard stages) and all-heads shapes
+// (8 kv heads x head_dim 128), decode and prefill, 1 and 2 threads; pre-RoPE rotated keys.
+TEST(FusedAttention, RotatedFormatsMatchTheOracle) {
+  const std::vector<std::string> rot = {
+      "sint4/token/g32/rot", "int4/channel/g32/rot", "int2/token/g16/rot", "int3/token/g32/rot",
+      "sint8/head/rot",      "int4/tensor/g32/rot",  "e4m3/head/rot",      "e5m2/token/rot",
+      "e4m3/token/g16/rot",  "nvfp4/rot",            "mxfp4/rot",          "int4/token/g32/f32meta/rot"};
+  struct Shape3 {
+    int64_t H, D, G;
+  };
+  const Shape3 shapes[] = {{2, 64, 4}, {2, 96, 1}, {8, 128, 4}};
+  int checked = 0;
+  const std::size_t n = rot.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::string specs[] = {"k=" + rot[i] + ",v=int4/token/g32,residual=8,sinks=3",
+                                 "k=e4m3/head,v=" + rot[i] + ",residual=8,sinks=3",
+                                 "k=" + rot[i] + ",v=" + rot[(i + 5) % n] + ",residual=5",
+                                 "k=lm3,v=" + rot[i] + ",sinks=2",
+                                 "k=" + rot[i] + ",v=lm4,residual=8"};
+    for (const std::string& spec : specs)
+      for (const Shape3& sh : shapes) {
+        if (sh.D % 32 != 0 && spec.find("mxfp4") != std::string::npos) continue;
+        const KVCache c = filled_cache(spec, 150, sh.H, sh.D, 23 + static_cast<uint32_t>(i));
+        for (int threads : {1, 2}) {
+          AttentionOptions opt;
+          opt.threads = threads;
+          opt.split_tokens = 64;
+          for (int64_t nq : {int64_t{1}, int64_t{13}}) {
+            const double e = fused_vs_oracle(c, sh.H * sh.G, nq, true, nullptr, opt);
+            ASSERT_LE(e, kTol) << spec << " H=" << sh.H << " D=" << sh.D << " G=" << sh.G
+                               << " threads=" << threads << " nq=" << nq;
+            ++checked;
+          }
+        }
+      }
+  }
+  EXPECT_GE(checked, 600);
+  // Pre-RoPE rotated keys: decoded, rotated back, then RoPE at their positions.
+  kvq::RopeConfig adj, half;
+  half.style = kvq::RopeStyle::kHalf;
+  for (const char* spec : {"k=sint4/channel/g32/rot,v=int4/token/g32/rot,residual=8,sinks=3",
+                           "k=nvfp4/rot,v=mxfp4/rot", "k=e4m3/head/rot,v=lm3,sinks=2"})
+    for (int64_t D : {64, 128})
+      for (const kvq::RopeConfig* rc : {&adj, &half}) {
+        const KVCache c = filled_cache(spec, 150, 2, D, 3);
+        AttentionOptions opt;
+        opt.split_tokens = 64;
+        EXPECT_LE(fused_vs_oracle(c, 8, 1, true, rc, opt), kTol) << spec << " D=" << D;
+        EXPECT_LE(fused_vs_oracle(c, 8, 9, true, rc, opt), kTol) << spec << " D=" << D;
+      }
+  // Rotated segments of one call must share the seed (their queries are rotated once).
+  KVCache a = filled_cache("k=int4/token/g32/rot,v=f16", 64, 2, 64, 1);
+  std::vector<kvq::CacheSegment> segs;
+  a.for_each_segment(0, [&](const kvq::CacheSegment& s) { segs.push_back(s); });
+  ASSERT_GE(segs.size(), 2u);
+  ASSERT_TRUE(segs[0].packed() && segs[1].packed());
+  segs[1].key_view.config.seed ^= 1;
+  std::vector<float> q(4 * 64, 0.5f), out(q.size());
+  AttentionWorkspace ws;
+  try {
+    kvq::attend_segments(segs.data(), segs.size(), 2, 64,
+                         KVView<const float>::nhd(q.data(), 1, 4, 64),
+                         KVView<float>::nhd(out.data(), 1, 4, 64), true, ws);
+    ADD_FAILURE() << "rotated key segments with different seeds were accepted";
+  } catch (const kvq::Error& e) {
+    EXPECT_EQ(e.kind(), kvq::ErrorKind::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("seeds"), std::string::npos) << e.what();
+  }
+}
+
 // ---- pre-RoPE keys far into the context: the fused kernels' RoPE table (an exact seed per
 // tile piece, then angle addition) against the oracle's cos / sin per position, at positions
 // up to 20000 with both styles (f32 / f16 keys, so the rotation is what differs).

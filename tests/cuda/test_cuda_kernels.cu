@@ -493,6 +493,11 @@ TEST(HostEmulated, PlansRejectWhatTheKernelsDoNotImplement) {
               kvq::cuda::make_paged_desc(kvq::make_page_layout(lm_cfg(4), lm_cfg(4), kP, kH, 96));
             }),
             unsupported);
+  // Rotated int / fp8 (/rot) is CPU only: refused naming the config.
+  QuantConfig rot = int_cfg(4, Axis::kToken, 32);
+  rot.rotate = true;
+  EXPECT_EQ(kind_of([&] { kvq::cuda::make_paged_desc(kvq::make_page_layout(rot, rot, kP, kH, kD)); }),
+            unsupported);
   // Outliers: up to kMaxGpuOutliers per vector on the GPU append; any k read.
   const QuantConfig out = with_outliers(int_cfg(4, Axis::kToken, 32), 2);
   const PageLayout Lo = kvq::make_page_layout(int_cfg(4, Axis::kChannel, 32), out, kP, kH, kD);

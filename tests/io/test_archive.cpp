@@ -210,6 +210,10 @@ std::vector<Case> round_trip_cases(int L, int H, int D) {
   fp4_scaled.value.fp4_tensor_scale = 0.0625f;
   c.push_back({"nvfp4 values with tensor scale 1/16", fp4_scaled, 99});
   c.push_back({"calibrated nuq (k nuq3 channel, v nuq4 token)", nuq_policy(L, H, D), 150});
+  // Rotated int / fp8 / FP4 (/rot): the flag (config flag bit 3) and the seed travel.
+  kvq::Policy rotated = kvq::parse_policy("k=sint4/channel/g16/rot,v=nvfp4/rot,residual=4,sinks=1,k@1=e4m3/head/rot");
+  rotated.key.seed = 424242;
+  c.push_back({"rotated sint4 / nvfp4 / e4m3, custom seed", rotated, 120});
   c.push_back({"kivi2 empty", kvq::parse_policy("kivi2,sinks=4"), 0});
   c.push_back({"kivi2 sinks only", kvq::parse_policy("kivi2,sinks=8"), 5});
   return c;
@@ -741,6 +745,10 @@ TEST(ArchiveCorruption, WrongMagicVersionEndiannessAndHostileFields) {
       {"unknown format code", [](auto& b) { b[96 + 1] = 10; }, kvq::ErrorKind::kIo, "unknown format code"},
       {"key config int5", [](auto& b) { io::detail::put_i32(b.data() + 96 + 8, 5); }, kvq::ErrorKind::kIo,
        "invalid policy"},
+      {"unknown config flag bit 4", [](auto& b) { b[96 + 4] |= 16; }, kvq::ErrorKind::kIo,
+       "unknown flag bits"},
+      {"rotation flag on the f32 skip config", [](auto& b) { b[96 + 2 * 128 + 4] |= 8; },
+       kvq::ErrorKind::kIo, "rotation flag set on format f32"},
       {"residual count beyond R + B - 1",
        [&](auto& b) { io::detail::put_i64(b.data() + lay0 + 24, 40); }, kvq::ErrorKind::kIo,
        "not a state a cache can be in"},
@@ -924,6 +932,22 @@ TEST(Archive, FormatCoversEveryConfigField) {
   EXPECT_TRUE(r.info().policy == p);
   EXPECT_EQ(r.info().policy.key.fp8_margin, 0.5f);
   EXPECT_EQ(r.info().policy.overrides.at(2).first.seed, 99u);
+  // The rotation flag: stored, read back, and a rotating config differs from its plain twin.
+  kvq::Policy q = kvq::parse_policy("k=int4/token/g16/rot,v=mxfp4/rot");
+  q.value.seed = 5;
+  KVCache cq(q, 1, 2, 32);
+  const auto bq = io::save_archive_bytes(cq);
+  const io::ArchiveReader rq(bq.data(), bq.size());
+  EXPECT_TRUE(rq.info().policy == q);
+  EXPECT_TRUE(rq.info().policy.key.rotate);
+  EXPECT_TRUE(rq.info().policy.value.rotate);
+  EXPECT_EQ(rq.info().policy.value.seed, 5u);
+  // An archive written without the flag (bit clear) loads as the unrotated policy.
+  KVCache cp(kvq::parse_policy("k=int4/token/g16,v=mxfp4"), 1, 2, 32);
+  const auto bp = io::save_archive_bytes(cp);
+  EXPECT_EQ(bp[96 + 4] & 8, 0);
+  EXPECT_FALSE(io::ArchiveReader(bp.data(), bp.size()).info().policy.key.rotate);
+  EXPECT_EQ(bq[96 + 4] & 8, 8);
 }
 
 }  // namespace

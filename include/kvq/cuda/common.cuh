@@ -11,7 +11,8 @@
 /// head_dim in [32, 256], and dense-and-sparse outliers over int, fp8 and nuq (load_element
 /// applies a vector's exact outliers; AppendPlan selects them, at most kMaxGpuOutliers per
 /// vector). The FP4 formats (nvfp4, mxfp4): one e2m1 code per element, one scale byte per
-/// block of 16 / 32 channels (format/fp4.hpp's element math, the CPU's bits). QJL is CPU-only:
+/// block of 16 / 32 channels (format/fp4.hpp's element math, the CPU's bits). QJL and rotated
+/// int / fp8 / FP4 (/rot) are CPU-only:
 /// make_paged_desc throws kUnsupported.
 #include <cuda_runtime.h>
 
@@ -88,6 +89,9 @@ inline TensorDesc make_tensor_desc(const QuantConfig& c, const TensorRegions& r,
   const char* name = "make_paged_desc";
   KVQ_REQUIRE(!c.qjl, kUnsupported, name, ": ", c.name(),
               ": the QJL residual is not implemented on the GPU (CPU only)");
+  KVQ_REQUIRE(!(c.rotate && c.format != Format::kLloydMax), kUnsupported, name, ": ", c.name(),
+              ": the rotation of int / fp8 / FP4 formats (/rot) is not implemented on the GPU "
+              "(CPU only)");
   TensorDesc d;
   d.format = static_cast<int32_t>(c.format);
   d.f16meta = c.meta == MetaDType::kF16 ? 1 : 0;

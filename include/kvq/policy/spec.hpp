@@ -149,6 +149,13 @@ inline void validate_config(const QuantConfig& c, const std::string& role, bool 
               "] and outlier_pct in [0, 100], got ", c.outliers, " and ", c.outlier_pct);
   KVQ_REQUIRE(sparse_ok || (c.outliers == 0 && c.outlier_pct == 0.f), kInvalidArgument, role,
               " config: outliers apply to int, fp8 and nuq formats, not ", to_string(c.format));
+  KVQ_REQUIRE(!c.rotate || c.format == Format::kLloydMax || rotation_format(c.format),
+              kInvalidArgument, role, " config: rotation applies to int, fp8 and FP4 formats (and "
+              "Lloyd-Max, which always rotates), not ", to_string(c.format));
+  KVQ_REQUIRE(!(c.rotate && c.format != Format::kLloydMax) ||
+                  (c.outliers == 0 && c.outlier_pct == 0.f),
+              kInvalidArgument, role, " config: rotation with dense-and-sparse outliers is not "
+              "supported (", c.name(), ")");
   switch (c.format) {
     case Format::kNuq:
       check_nuq_bits(c.bits);
@@ -203,6 +210,9 @@ inline void validate_config(const QuantConfig& c, const std::string& role, bool 
 inline bool same_config(const QuantConfig& a, const QuantConfig& b) {
   if (a.format != b.format) return false;
   if (a.outliers != b.outliers || a.outlier_pct != b.outlier_pct) return false;
+  if (rotation_format(a.format) &&
+      (a.rotate != b.rotate || (a.rotate && a.seed != b.seed)))
+    return false;  // the seed of a rotating int / fp8 / FP4 config matters, as Lloyd-Max's
   switch (a.format) {
     case Format::kNuq:  // codebooks compared when both are calibrated
       return a.bits == b.bits && a.axis == b.axis && a.group == b.group && a.meta == b.meta &&
@@ -262,6 +272,7 @@ inline std::string config_spec(const QuantConfig& c) {
       s = to_string(c.format);
       break;
   }
+  if (c.rotate && rotation_format(c.format)) s += "/rot";
   if (c.outlier_pct > 0.f) {
     // The shortest fixed-point decimal (the grammar has no exponent, at most 12 characters)
     // that parses back to the same float: "%g" wrote 1.2345678 as 1.23457 (another float)
@@ -715,10 +726,12 @@ inline QuantConfig parse_term(std::string_view term, std::string_view item, bool
       group_seen = o;
       c.group = g;
     } else if (o == "rot") {
-      KVQ_REQUIRE(lm, kParse, "'rot' in '", item, "': format '", fmt,
-                  "' cannot rotate (rotation comes with the Lloyd-Max formats lm1..lm4)");
+      KVQ_REQUIRE(lm || rotation_format(c.format), kParse, "'rot' in '", item, "': format '", fmt,
+                  "' cannot rotate (rotation applies to the int, sint, e4m3, e5m2, nvfp4 and "
+                  "mxfp4 formats; the Lloyd-Max formats lm1..lm4 always rotate)");
       KVQ_REQUIRE(!rot, kParse, "'rot' given twice in '", item, "'");
       rot = true;
+      if (!lm) c.rotate = true;
     } else if (o == "qjl") {
       KVQ_REQUIRE(lm, kParse, "'qjl' in '", item, "': format '", fmt,
                   "' has no QJL residual (only the Lloyd-Max formats lm1..lm4 do)");
@@ -741,6 +754,9 @@ inline QuantConfig parse_term(std::string_view term, std::string_view item, bool
            ")");
     }
   }
+  KVQ_REQUIRE(!(c.rotate && !out_seen.empty()), kParse, "'rot' and '", out_seen, "' in '", item,
+              "': rotation with dense-and-sparse outliers is not supported (the rotation spreads "
+              "an outlier channel over the whole vector); use one or the other");
   return c;
 }
 

@@ -158,6 +158,7 @@ struct QuantWorkspace {
   OutlierScratch outlier;             // selection statistics (geometry/outliers.hpp)
   std::vector<f16> h16;               // [head_dim] raw f16 row staged for an unaligned span
   std::vector<bf16> b16;              // [head_dim] raw bf16 row staged for an unaligned span
+  std::vector<float> rot;             // rotated int / fp8 / FP4: [tokens, heads, head_dim] staged
   template <class V>
   static typename V::value_type* at_least(V& v, std::size_t n) {
     if (v.size() < n) v.resize(n);

@@ -20,6 +20,7 @@
 #include "kvq/format/meta.hpp"
 #include "kvq/format/nuq.hpp"
 #include "kvq/geometry/grouping.hpp"
+#include "kvq/geometry/rotation.hpp"
 
 namespace kvq {
 
@@ -40,6 +41,12 @@ enum class Format : uint8_t {
 /// True for the FP4 block formats (format/fp4.hpp): 4-bit e2m1 codes along head_dim in blocks of
 /// fp4_block(f), one scale byte per block (e4m3 for NVFP4, e8m0 for MXFP4).
 inline bool is_fp4(Format f) { return f == Format::kNvfp4 || f == Format::kMxfp4; }
+/// True for the formats that take the optional rotation (QuantConfig::rotate, spec /rot): int,
+/// fp8 and FP4. Lloyd-Max always rotates; raw and nuq formats do not.
+inline bool rotation_format(Format f) {
+  return f == Format::kInt || f == Format::kE4M3 || f == Format::kE5M2 || f == Format::kNvfp4 ||
+         f == Format::kMxfp4;
+}
 /// Elements per scale block of an FP4 format (16 NVFP4, 32 MXFP4).
 inline int64_t fp4_block(Format f) { return f == Format::kNvfp4 ? 16 : 32; }
 
@@ -69,7 +76,13 @@ struct QuantConfig {
   MetaDType meta = MetaDType::kF16;    ///< storage of scales / zero points / norms
   float fp8_margin = 1.0f;             ///< fp8: scale = amax * margin / max_finite
   bool qjl = false;                    ///< lm: 1-bit QJL residual (opt-in)
-  uint64_t seed = 0x6b7671u;           ///< lm: rotation / projection seed
+  /// int, fp8 (e4m3/e5m2) and FP4 (nvfp4/mxfp4): rotate every (token, head) vector by the
+  /// seeded randomized Hadamard rotation of head_dim (the one Lloyd-Max uses, `seed`) before
+  /// quantizing, and back after dequantizing (spec /rot; quant/rotated_quant.hpp). Costs no
+  /// bytes. Lloyd-Max always rotates and ignores this field; raw, nuq and dense-and-sparse
+  /// configs refuse it.
+  bool rotate = false;
+  uint64_t seed = 0x6b7671u;           ///< lm, and int/fp8/fp4 with rotate: rotation seed
   /// Dense-and-sparse (int, fp8, nuq): entries kept exactly (fp16 value + position) per
   /// (token, head) vector; outlier_pct > 0 wins: ceil(pct / 100 * head_dim) (spec /out<P>%).
   /// See quant/outlier_quant.hpp and docs/outliers.md.
@@ -113,6 +126,9 @@ struct QuantConfig {
       s += "/";
       s += to_string(axis);
       if (group > 0) s += "/g" + std::to_string(group);
+    }
+    if (format != Format::kLloydMax) {
+      if (rotate) s += "/rot";
     } else {
       s += "/rot";
       if (qjl) s += "/qjl";
@@ -355,6 +371,21 @@ inline PackedSizes packed_sizes(const QuantConfig& cfg, const Shape& shape) {
                   cfg.outlier_pct <= 100.f,
               kInvalidArgument, "outliers must be >= 0 and outlier_pct in [0, 100], got ",
               cfg.outliers, " and ", cfg.outlier_pct);
+  if (cfg.rotate && cfg.format != Format::kLloydMax) {
+    KVQ_REQUIRE(rotation_format(cfg.format), kUnsupported, "rotation (/rot) applies to the int, ",
+                "fp8 (e4m3, e5m2) and FP4 (nvfp4, mxfp4) formats and Lloyd-Max, not ",
+                to_string(cfg.format));
+    KVQ_REQUIRE(cfg.outliers == 0 && cfg.outlier_pct == 0.f, kUnsupported, "rotation (/rot) with ",
+                "dense-and-sparse outliers is not supported (", cfg.name(), "): the rotation ",
+                "spreads an outlier channel over the whole vector; use one or the other");
+    if (shape.head_dim > 0) {
+      const std::string why = shape.head_dim > 0x7fffffff
+                                  ? std::string("head_dim too large")
+                                  : Rotation::hadamard_unsupported_reason(
+                                        static_cast<int>(shape.head_dim));
+      KVQ_REQUIRE(why.empty(), kUnsupported, cfg.name(), " rotates every head vector: ", why);
+    }
+  }
   const int64_t k = outlier_count(cfg, shape.head_dim);
   if (k > 0) {
     KVQ_REQUIRE(cfg.format == Format::kInt || cfg.format == Format::kNuq ||

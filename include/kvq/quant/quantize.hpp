@@ -26,6 +26,7 @@
 #include "kvq/quant/outlier_quant.hpp"
 #include "kvq/quant/packed_view.hpp"
 #include "kvq/quant/qtensor.hpp"
+#include "kvq/quant/rotated_quant.hpp"
 
 namespace kvq {
 
@@ -153,6 +154,18 @@ void quantize_into(const QuantConfig& cfg, const KVView<const T>& x, const Packe
               " but the input is ", x.shape().str());
   const PackedSizes sizes = packed_sizes(cfg, x.shape());  // validates bits, groups, sizes
   detail::check_span(sizes, q);
+  if (rotated_plain(cfg)) {  // rotate every vector, then the unrotated quantizer (rotated_quant.hpp)
+    if (x.numel() == 0) return;
+    const Rotation& rot = hadamard_rotation_for(x.head_dim(), cfg.seed);
+    float* stage = QuantWorkspace::at_least(ws.rot, static_cast<std::size_t>(x.numel()));
+    detail::rotate_rows(rot, x, stage,
+                        QuantWorkspace::at_least(ws.buf, static_cast<std::size_t>(x.head_dim())));
+    QuantConfig plain = cfg;
+    plain.rotate = false;
+    PackedSpan s = q;
+    s.config = plain;
+    return quantize_into(plain, KVView<const float>(stage, x.shape()), s, ws);
+  }
   if (sizes.outlier_values > 0) {  // dense-and-sparse (quant/outlier_quant.hpp)
     if (cfg.format == Format::kNuq) detail::require_nuq_codebook(cfg);
     return quantize_with_outliers(cfg, x, q, ws,
@@ -214,6 +227,22 @@ void dequantize_tokens(const PackedView& q, int64_t t0, const KVView<T>& out,
                   out.head_dim() == q.shape.head_dim,
               kShapeMismatch, "dequantize tokens [", t0, ", ", t0 + out.tokens(), ") into ",
               out.shape().str(), " but the stored tensor is ", q.shape.str());
+  if (rotated_plain(q.config)) {  // decode the rotated vectors, then R^T each (rotated_quant.hpp)
+    if (out.numel() == 0) return;
+    const int64_t D = q.shape.head_dim, H = q.shape.heads;
+    const Rotation& rot = hadamard_rotation_for(D, q.config.seed);
+    PackedView plain = q;
+    plain.config.rotate = false;
+    float* stage = QuantWorkspace::at_least(ws.rot, static_cast<std::size_t>(out.numel()));
+    dequantize_tokens(plain, t0, KVView<float>(stage, out.shape()), ws);
+    for (int64_t t = 0; t < out.tokens(); ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        float* row = stage + (t * H + h) * D;
+        rot.apply_inverse(row);
+        detail::store_row(out, t, h, row);
+      }
+    return;
+  }
   switch (q.config.format) {
     case Format::kF32: return detail::dequantize_raw<float>(q, t0, out, ws);
     case Format::kF16: return detail::dequantize_raw<f16>(q, t0, out, ws);

@@ -21,6 +21,7 @@ void prepare(Workspace& ws, Problem& P, KVView<const float> q) {
   ws.ks.resize(ws.segs.size());
   ws.vs.resize(ws.segs.size());
   P.k_ctx = P.v_ctx = nullptr;
+  P.k_rot = P.v_rot = nullptr;
   P.k_qjl = P.v_qjl = false;
   for (std::size_t i = 0; i < ws.segs.size(); ++i) {
     const CacheSegment& s = ws.segs[i];
@@ -35,6 +36,18 @@ void prepare(Workspace& ws, Problem& P, KVView<const float> q) {
         P.k_seed = s.key_view.config.seed;
         P.k_ctx = ks.ctx;
         P.k_qjl = P.k_qjl || ks.qjl;
+      }
+      if (ks.rot) {
+        KVQ_REQUIRE(P.k_rot == nullptr || P.k_rot->seed() == ks.rotation->seed(), kInvalidArgument,
+                    "attend: rotated key segments use different seeds (", P.k_rot->seed(), " and ",
+                    ks.rotation->seed(), ")");
+        P.k_rot = ks.rotation;
+      }
+      if (vs.rot) {
+        KVQ_REQUIRE(P.v_rot == nullptr || P.v_rot->seed() == vs.rotation->seed(), kInvalidArgument,
+                    "attend: rotated value segments use different seeds (", P.v_rot->seed(),
+                    " and ", vs.rotation->seed(), ")");
+        P.v_rot = vs.rotation;
       }
       if (vs.lm) {
         KVQ_REQUIRE(P.v_ctx == nullptr || P.v_ctx == vs.ctx || P.v_seed == s.value_view.config.seed,
@@ -67,9 +80,15 @@ void prepare(Workspace& ws, Problem& P, KVView<const float> q) {
       }
       ws.qsum[static_cast<std::size_t>(h * HR + lr)] = static_cast<float>(sum);
     }
-  if (P.k_ctx != nullptr) {
+  if (P.k_rot != nullptr) {
     ws.qrot.assign(ws.qs.begin(), ws.qs.end());
-    P.k_ctx->rotation.apply_batch(ws.qrot.data(), H * HR);
+    P.k_rot->apply_batch(ws.qrot.data(), H * HR);
+    ws.qrotsum.resize(ws.qsum.size());
+    for (int64_t v = 0; v < H * HR; ++v) {
+      double sum = 0;
+      for (int64_t d = 0; d < D; ++d) sum += ws.qrot[static_cast<std::size_t>(v * D + d)];
+      ws.qrotsum[static_cast<std::size_t>(v)] = static_cast<float>(sum);
+    }
     if (P.k_qjl) {
       ws.sq.resize(ws.qs.size());
       ws.sqsum.resize(ws.qsum.size());
@@ -95,7 +114,7 @@ void prepare(Workspace& ws, Problem& P, KVView<const float> q) {
       ws.qs_eo.resize(ws.qs.size());
       for (int64_t v = 0; v < H * HR; ++v)
         avx2::to_eo(ws.qs.data() + v * D, ws.qs_eo.data() + v * D, D);
-      if (P.k_ctx != nullptr) {
+      if (P.k_rot != nullptr) {
         ws.qrot_eo.resize(ws.qrot.size());
         for (int64_t v = 0; v < H * HR; ++v)
           avx2::to_eo(ws.qrot.data() + v * D, ws.qrot_eo.data() + v * D, D);

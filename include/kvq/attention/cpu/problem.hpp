@@ -25,6 +25,7 @@
 #include "kvq/quant/lloyd_max_quant.hpp"
 #include "kvq/quant/packed_view.hpp"
 #include "kvq/quant/quantize.hpp"
+#include "kvq/quant/rotated_quant.hpp"
 #include "kvq/simd/attention_avx2.hpp"
 #include "kvq/simd/attention_simd.hpp"
 #include "kvq/simd/uniform_cpu.hpp"
@@ -109,6 +110,11 @@ struct Stream {
   Scale scale = Scale::kRow;
   bool unpack = false;  ///< codes are unpacked into bytes first (odd widths: per tile or per row)
   bool lm = false, qjl = false, zeros = false, raw = false;
+  /// Codes in the rotated domain: Lloyd-Max, or int / fp8 / FP4 with QuantConfig::rotate. Keys
+  /// are scored against the rotated queries (Workspace::qrot), values accumulated into
+  /// Scratch::acc_rot and rotated back once per unit; f32 rows stay in the original basis.
+  bool rot = false;
+  const Rotation* rotation = nullptr;  ///< the rotation of a rot stream
   bool nuq = false;  ///< nuq codes: table loads (lut = the layer's levels), int scales and zeros
   /// FP4 (nvfp4 / mxfp4) codes: table loads like nuq (lut = the 16 e2m1 values), no zeros, and
   /// the block scale decoded from its e4m3 / e8m0 byte (times the tensor scale for nvfp4).
@@ -127,7 +133,7 @@ struct Scratch {
   std::vector<float> w;           // [rows, kTile] value weights
   std::vector<SoftmaxState<float>> sm;  // [H, rows] online-softmax state (core/softmax.hpp)
   std::vector<float> acc;         // [H, rows, D]
-  std::vector<float> acc_rot;     // [H, rows, D] Lloyd-Max values, rotated domain
+  std::vector<float> acc_rot;     // [H, rows, D] rotated values (Lloyd-Max, /rot), rotated domain
   std::vector<float> sacc;        // [H, rows, D] QJL value sign sums
   std::vector<float> sconst;      // [H, rows]
   std::vector<float> zacc;        // [rows] value zero terms of one tile
@@ -170,7 +176,8 @@ struct Workspace {
   std::vector<Stream> ks, vs;
   std::vector<float> qs;                 // [H, nq*G, D] queries / sqrt(D)
   std::vector<float> qsum;               // [H, nq*G]
-  std::vector<float> qrot;               // [H, nq*G, D] rotated queries (Lloyd-Max keys)
+  std::vector<float> qrot;               // [H, nq*G, D] rotated queries (rotated keys)
+  std::vector<float> qrotsum;            // [H, nq*G] their sums (zero points of rotated int keys)
   std::vector<float> qs_eo, qrot_eo;     // the same in even/odd channel order (AVX2, 4-bit keys)
   std::vector<float> sq;                 // [H, nq*G, D] S R q (QJL keys)
   std::vector<float> sqsum;              // [H, nq*G]
@@ -240,7 +247,9 @@ struct Problem {
   const RopeConfig* rope = nullptr;
   int64_t split = kDefaultSplit, nchunks = 0, nqb = 0;
   const detail::LloydMaxContext* k_ctx = nullptr;  // Lloyd-Max keys (query rotation)
-  const detail::LloydMaxContext* v_ctx = nullptr;  // Lloyd-Max values (output rotation)
+  const detail::LloydMaxContext* v_ctx = nullptr;  // Lloyd-Max values (QJL of values)
+  const Rotation* k_rot = nullptr;  // rotated keys (Lloyd-Max or /rot): the query rotation
+  const Rotation* v_rot = nullptr;  // rotated values: the output rotation
   bool k_qjl = false;  // some key segment carries QJL signs
   bool v_qjl = false;  // some value segment carries QJL signs (the output needs S^T)
   uint64_t k_seed = 0, v_seed = 0;

@@ -53,6 +53,9 @@ void Unit<S>::rope_key_row(const Stream& ks, int64_t loc, int64_t h, int64_t t, 
       decode_row<S, LC.value>(ks, row, sc_.ksg.data(), t, sc_.kms.data(), sc_.kmz.data(),
                               sc_.kq.data(), out, D);
     });
+    // Rotated int / fp8 / FP4 codes decode in the rotated domain: back to the original basis
+    // before RoPE (decode_row does this for Lloyd-Max).
+    if (ks.rot && !ks.lm) ks.rotation->apply_inverse(out);
     if (ks.nout > 0)  // the exact outlier values over the dense ones, before the rotation
       for_outliers(ks, loc, h, [&](int64_t pos, float val) { out[pos] = val; });
   }

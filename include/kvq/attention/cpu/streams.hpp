@@ -179,7 +179,8 @@ inline void setup_packed(Stream& st, const PackedView& v, int W) {
   st.scale = Scale::kRow;
   st.mul = 1.f;
   st.off = 0.f;
-  st.lm = st.qjl = st.zeros = st.unpack = st.nuq = st.fp4 = false;
+  st.lm = st.qjl = st.zeros = st.unpack = st.nuq = st.fp4 = st.rot = false;
+  st.rotation = nullptr;
   st.raw = c.is_raw();
   st.ctx = nullptr;
   st.nout = outlier_count(c, D);
@@ -226,11 +227,17 @@ inline void setup_packed(Stream& st, const PackedView& v, int W) {
       st.lm = true;
       st.qjl = c.qjl;
       st.ctx = &detail::lloyd_max_context(static_cast<int>(D), c.bits, c.seed);
+      st.rot = true;
+      st.rotation = &st.ctx->rotation;
       const auto& cent = st.ctx->codebook->centroids;
       for (int k = 0; k < 16; ++k)
         st.lut[k] = k < static_cast<int>(cent.size()) ? cent[static_cast<std::size_t>(k)] : 0.f;
       break;
     }
+  }
+  if (rotated_plain(c)) {  // codes of the rotated vectors (quant/rotated_quant.hpp)
+    st.rot = true;
+    st.rotation = &hadamard_rotation_for(D, c.seed);
   }
   if (c.format == Format::kInt || c.format == Format::kLloydMax || st.nuq) {
     const bool lm = c.format == Format::kLloydMax || st.nuq;  // table loads

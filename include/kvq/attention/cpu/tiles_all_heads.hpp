@@ -27,6 +27,7 @@ bool Unit<S>::same_kind(const Stream& a, const Stream& b) {
   if (a.packed != b.packed || !fast_stream(a) || !fast_stream(b)) return false;
   if (!a.packed) return a.rows.strides().head == b.rows.strides().head;
   return a.load == b.load && a.scale == b.scale && a.bits == b.bits && a.lm == b.lm &&
+         a.rot == b.rot &&
          a.zeros == b.zeros && a.raw == b.raw && a.off == b.off && a.mul == b.mul &&
          a.box.gt == b.box.gt && a.box.gh == b.box.gh && a.box.gc == b.box.gc && a.ctx == b.ctx &&
          a.view.config.meta == b.view.config.meta && a.nout == b.nout && a.nuq == b.nuq &&
@@ -83,7 +84,7 @@ void Unit<S>::acc_order(bool eo) {
     }
   };
   conv(sc_.acc.data());
-  if (P_.v_ctx != nullptr) conv(sc_.acc_rot.data());
+  if (P_.v_rot != nullptr) conv(sc_.acc_rot.data());
   acc_eo_ = eo;
 }
 #endif
@@ -487,8 +488,8 @@ void Unit<S>::tile_all(int64_t n) {
       float alpha;
       if (sc_.sm[st].raise(_mm_cvtss_f32(m4), softmax_exp, &alpha)) {
         rescale(row_acc(sc_.acc.data(), h, r), alpha);
+        if (P_.v_rot != nullptr) rescale(row_acc(sc_.acc_rot.data(), h, r), alpha);
         if (P_.v_ctx != nullptr) {
-          rescale(row_acc(sc_.acc_rot.data(), h, r), alpha);
           rescale(row_acc(sc_.sacc.data(), h, r), alpha);
           sc_.sconst[st] *= alpha;
         }
@@ -522,7 +523,9 @@ void Unit<S>::score_all(int64_t n, int64_t hs, int64_t kspan, int64_t vspan) {
   const int64_t D = P_.D, R = R_, H = P_.H, HR = P_.nq * P_.G;
   const Stream& ks0 = ws_.ks[pcs.front().si];
   constexpr bool eo = avx2::eo_order(L);  // 4-bit codes: queries in even/odd order
-  const float* qs = (eo ? ws_.qs_eo : ws_.qs).data() + i0_ * P_.G * D;  // head h at + h * HR * D
+  // head h at + h * HR * D; rotated keys (Lloyd-Max, /rot) read the rotated queries
+  const float* qs = (eo ? (ks0.rot ? ws_.qrot_eo : ws_.qs_eo) : (ks0.rot ? ws_.qrot : ws_.qs)).data() +
+                    i0_ * P_.G * D;
   float* sc = sc_.s.data();
   float* ms = sc_.kms.data();
   float* mz = sc_.kmz.data();
@@ -550,7 +553,7 @@ void Unit<S>::score_all(int64_t n, int64_t hs, int64_t kspan, int64_t vspan) {
       meta_tile(ws_.ks, n, 1, ms, mz);
       dot_all(0, n, n, qs, HR * D, plain, kspan, vspan);
       for (int64_t h = 0; h < H; ++h) {
-        const float* qsum = ws_.qsum.data() + h * HR + i0_ * P_.G;
+        const float* qsum = (ks0.rot ? ws_.qrotsum : ws_.qsum).data() + h * HR + i0_ * P_.G;
         for (int64_t r = 0; r < R; ++r) {
           float* o = sc + (h * R + r) * kTile;
           const float qr = qsum[r];
@@ -579,7 +582,7 @@ void Unit<S>::score_all(int64_t n, int64_t hs, int64_t kspan, int64_t vspan) {
     default: {                    // kChannel: per block, the block's scales folded into the queries
       float* qf = sc_.qf.data();  // [H, R, D]
       float* qz = sc_.qz.data();  // [H, R]
-      qs = ws_.qs.data() + i0_ * P_.G * D;  // folded in natural order, then permuted
+      qs = (ks0.rot ? ws_.qrot : ws_.qs).data() + i0_ * P_.G * D;  // natural order, then permuted
       for (const Piece& p : pcs) {
         for (int64_t h = 0; h < H; ++h) {
           meta_channel(ws_.ks[p.si], p.loc0, h, ms, mz);
@@ -634,6 +637,7 @@ void Unit<S>::accumulate_all(int64_t n, int64_t hs) {
     axpy_all(0, n, p, kTile, 0, 0, sc_.acc.data(), plain);
     return;
   }
+  float* const accb = vs0.rot ? sc_.acc_rot.data() : sc_.acc.data();  // rotated: R^T in finish()
   if (vs0.scale == Scale::kChannel && !vs0.lm) {
     // the block's per-channel vectors, [H, D], dequantized in the loader
     for (const Piece& pc : pcs) {
@@ -652,7 +656,7 @@ void Unit<S>::accumulate_all(int64_t n, int64_t hs) {
           return avx2::fma_vec(avx2::ld2<L>(rp[t] + off, jp, lut), hms + 16 * jp, hmz + 16 * jp);
         };
       };
-      axpy_all(pc.o, pc.o + pc.n, p, kTile, 0, 0, sc_.acc.data(), deq);
+      axpy_all(pc.o, pc.o + pc.n, p, kTile, 0, 0, accb, deq);
     }
     return;
   }
@@ -672,7 +676,7 @@ void Unit<S>::accumulate_all(int64_t n, int64_t hs) {
         }
         sc_.zacc[static_cast<std::size_t>(h * R + r)] = Simd256::reduce(zs);
       }
-    float* acc = vs0.lm ? sc_.acc_rot.data() : sc_.acc.data();
+    float* acc = accb;
     axpy_all(0, n, w, kTile, 0, 0, acc, plain);
     if (!vs0.lm && (vs0.zeros || vs0.off != 0.f)) {
       for (int64_t hr = 0; hr < H * R; ++hr) {
@@ -704,7 +708,7 @@ void Unit<S>::accumulate_all(int64_t n, int64_t hs) {
         }
         zg[(h * R + r) * ng + g] = Simd256::reduce(zs);
       }
-  float* acc = sc_.acc.data();
+  float* acc = accb;
   axpy_all(0, n, wg, ng * kTile, kTile, gc, acc, plain);
   for (int64_t hr = 0; hr < H * R; ++hr)
     for (int64_t g = 0; g < ng; ++g) {

@@ -13,7 +13,10 @@ void Unit<S>::tile(const CacheSegment& seg, const Stream& ks, const Stream& vs, 
                    int64_t t0, int64_t t1) {
   const int64_t n = t1 - t0, D = P_.D, nj = D / S::W, loc0 = t0 - seg.begin;
   const int64_t R = R_, HR = P_.nq * P_.G;
-  const float* qs = ws_.qs.data() + (h * HR + i0_ * P_.G) * D;
+  // Rotated keys (Lloyd-Max, /rot) are scored against the rotated queries; pre-RoPE keys are
+  // decoded back to the original basis first (rope.hpp), f32 rows never rotate.
+  const float* qs =
+      (ks.rot && P_.rope == nullptr ? ws_.qrot : ws_.qs).data() + (h * HR + i0_ * P_.G) * D;
   float* sc = sc_.s.data();
   // ---- keys: scores [R, n]
   if (ks.packed) tile_meta(ks, loc0, n, h, sc_.kms.data(), sc_.kmz.data(), sc_.kq.data());
@@ -43,8 +46,8 @@ void Unit<S>::tile(const CacheSegment& seg, const Stream& ks, const Stream& vs, 
     float alpha;
     if (sc_.sm[st].raise(mx, softmax_exp, &alpha)) {
       rescale(row_acc(sc_.acc.data(), h, r), alpha);
+      if (P_.v_rot != nullptr) rescale(row_acc(sc_.acc_rot.data(), h, r), alpha);
       if (P_.v_ctx != nullptr) {
-        rescale(row_acc(sc_.acc_rot.data(), h, r), alpha);
         rescale(row_acc(sc_.sacc.data(), h, r), alpha);
         sc_.sconst[st] *= alpha;
       }
@@ -115,7 +118,7 @@ void Unit<S>::score_packed(const Stream& ks, int64_t h, int64_t loc0, int64_t n,
   switch (ks.scale) {
     case Scale::kRow: {
       dot_rows<S>(plain, n, nj, qs, D, R, sc);
-      const float* qsum = ws_.qsum.data() + h * HR + i0_ * P_.G;
+      const float* qsum = (ks.rot ? ws_.qrotsum : ws_.qsum).data() + h * HR + i0_ * P_.G;
       for (int64_t r = 0; r < R; ++r) {
         float* o = sc + r * kTile;
         const float qr = qsum[r];
@@ -172,6 +175,7 @@ void Unit<S>::accumulate_packed(const Stream& vs, int64_t h, int64_t loc0, int64
   for (int64_t t = 0; t < n; ++t) rp[t] = packed_row(vs, loc0 + t, h, sc_.vu.data() + t * D);
   const float* ms = sc_.vms.data();
   const float* mz = sc_.vmz.data();
+  float* const accb = vs.rot ? sc_.acc_rot.data() : sc_.acc.data();  // rotated: R^T in finish()
   if (vs.lm || vs.scale == Scale::kRow) {
     // w = p * s (row scale or norm); zero points: one scalar per row.
     for (int64_t r = 0; r < R; ++r) {
@@ -182,7 +186,7 @@ void Unit<S>::accumulate_packed(const Stream& vs, int64_t h, int64_t loc0, int64
       }
       sc_.zacc[static_cast<std::size_t>(r)] = zsum;
     }
-    float* acc = row_acc(vs.lm ? sc_.acc_rot.data() : sc_.acc.data(), h, 0);
+    float* acc = row_acc(accb, h, 0);
     axpy_rows<S>([&](int64_t t, int64_t j) { return load_chunk<S, L>(rp[t], j, vs.lut); }, n, nj, w,
                  acc, D, R);
     if (vs.lm) {
@@ -211,14 +215,14 @@ void Unit<S>::accumulate_packed(const Stream& vs, int64_t h, int64_t loc0, int64
     }
     if (vs.zeros || vs.off != 0.f) {
       for (int64_t r = 0; r < R; ++r) {
-        float* a = row_acc(sc_.acc.data(), h, r);
+        float* a = row_acc(accb, h, r);
         const auto z = S::set1(sc_.zacc[static_cast<std::size_t>(r)]);
         for (int64_t j = 0; j < nj; ++j) S::store(a + j * S::W, S::add(S::load(a + j * S::W), z));
       }
     }
     return;
   }
-  float* acc = row_acc(sc_.acc.data(), h, 0);
+  float* acc = row_acc(accb, h, 0);
   switch (vs.scale) {
     case Scale::kGroup: {
       const int64_t gc = vs.box.gc, ng = D / gc;

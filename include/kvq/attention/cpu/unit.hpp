@@ -26,9 +26,8 @@ class Unit {
     sc_.sm.assign(nr, SoftmaxState<float>::empty());
     sc_.acc.assign(nr * static_cast<std::size_t>(D), 0.f);
     acc_eo_ = false;
-    const bool vlm = P_.v_ctx != nullptr;
-    if (vlm) {
-      sc_.acc_rot.assign(nr * static_cast<std::size_t>(D), 0.f);
+    if (P_.v_rot != nullptr) sc_.acc_rot.assign(nr * static_cast<std::size_t>(D), 0.f);
+    if (P_.v_ctx != nullptr) {
       sc_.sacc.assign(nr * static_cast<std::size_t>(D), 0.f);
       sc_.sconst.assign(nr, 0.f);
     }
@@ -322,13 +321,12 @@ class Unit {
       for (int64_t r = 0; r < R; ++r) {
         const std::size_t st = static_cast<std::size_t>(h * R + r);
         float* acc = row_acc(sc_.acc.data(), h, r);
-        if (P_.v_ctx != nullptr && sc_.sm[st].l > 0.f) {
+        if (P_.v_rot != nullptr && sc_.sm[st].l > 0.f) {
           float* ar = row_acc(sc_.acc_rot.data(), h, r);
-          const float* sa = row_acc(sc_.sacc.data(), h, r);
-          const float c0 = sc_.sconst[st];
-          const auto& ctx = *P_.v_ctx;
           if (P_.v_qjl) {  // S is built on first use: never for a non-QJL config
-            const float* qjl_s = ctx.qjl_matrix();
+            const float* sa = row_acc(sc_.sacc.data(), h, r);
+            const float c0 = sc_.sconst[st];
+            const float* qjl_s = P_.v_ctx->qjl_matrix();
             for (int64_t j = 0; j < D; ++j) {
               const float cj = sa[j] - c0;
               if (cj == 0.f) continue;
@@ -336,7 +334,7 @@ class Unit {
               for (int64_t i = 0; i < D; ++i) ar[i] += cj * srow[i];
             }
           }
-          ctx.rotation.apply_inverse(ar);
+          P_.v_rot->apply_inverse(ar);
           for (int64_t i = 0; i < D; ++i) acc[i] += ar[i];
         }
         us[st] = sc_.sm[st];

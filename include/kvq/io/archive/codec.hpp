@@ -90,7 +90,11 @@ inline void encode_config(uint8_t* p, uint8_t role, int layer, const QuantConfig
   p[1] = format_code(c.format);
   p[2] = axis_code(c.axis);
   p[3] = c.meta == MetaDType::kF32 ? 1 : 0;
-  p[4] = static_cast<uint8_t>((c.symmetric ? 1 : 0) | (c.qjl ? 2 : 0) | (c.nuq_ready ? 4 : 0));
+  // Flag bit 3 (8): the rotation of an int / fp8 / FP4 config (QuantConfig::rotate); archives
+  // written before it have the bit clear (they load unchanged; a reader before it refuses the
+  // bit as an unknown flag). Lloyd-Max always rotates and never sets it.
+  p[4] = static_cast<uint8_t>((c.symmetric ? 1 : 0) | (c.qjl ? 2 : 0) | (c.nuq_ready ? 4 : 0) |
+                              (c.rotate && rotation_format(c.format) ? 8 : 0));
   put_i32(p + 8, c.bits);
   put_i32(p + 12, layer);
   put_i32(p + 16, c.outliers);
@@ -332,10 +336,13 @@ QuantConfig decode_config(const uint8_t* p, const At& at) {
   KVQ_REQUIRE(axis_from_code(p[2], &c.axis), kIo, at(), ": unknown axis code ", int{p[2]});
   KVQ_REQUIRE(p[3] <= 1, kIo, at(), ": unknown metadata type code ", int{p[3]});
   c.meta = p[3] == 1 ? MetaDType::kF32 : MetaDType::kF16;
-  KVQ_REQUIRE(p[4] <= 7, kIo, at(), ": unknown flag bits ", int{p[4]});
+  KVQ_REQUIRE(p[4] <= 15, kIo, at(), ": unknown flag bits ", int{p[4]});
   c.symmetric = (p[4] & 1) != 0;
   c.qjl = (p[4] & 2) != 0;
   c.nuq_ready = (p[4] & 4) != 0;
+  c.rotate = (p[4] & 8) != 0;
+  KVQ_REQUIRE(!c.rotate || rotation_format(c.format), kIo, at(), ": rotation flag set on format ",
+              to_string(c.format), " (only int, fp8 and FP4 configs rotate by flag)");
   KVQ_REQUIRE(all_zero(p + 5, 3) && (c.format == Format::kNvfp4 || all_zero(p + 28, 4)) &&
                   all_zero(p + 112, 16),
               kIo, at(), ": nonzero reserved bytes");
@@ -352,6 +359,8 @@ QuantConfig decode_config(const uint8_t* p, const At& at) {
   c.seed = get_u64(p + 40);
   for (int i = 0; i < kNuqMaxLevels; ++i)
     c.nuq_levels[static_cast<std::size_t>(i)] = get_f32(p + 48 + 4 * i);
+  KVQ_REQUIRE(!c.rotate || (c.outliers == 0 && c.outlier_pct == 0.f), kIo, at(),
+              ": rotation flag set on a config with dense-and-sparse outliers");
   KVQ_REQUIRE(std::isfinite(c.fp8_margin) && c.fp8_margin > 0.f, kIo, at(), ": fp8 margin ",
               c.fp8_margin, " is not a positive finite number");
   if (c.format != Format::kNuq || !c.nuq_ready) {
