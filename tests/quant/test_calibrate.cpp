@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kvq/quant/quantize.hpp"
+#include "kvq/reference/rotation_ref.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -299,6 +300,25 @@ TEST(Calibrate, Nvfp4TensorScalesFromTheData) {
           "tensor_scales[1] duplicates layer 0 k");
   refused(head + "\"tensor_scales\": [{\"layer\": 2, \"tensor\": \"v\", \"scale\": 0.1}]}",
           "tensor_scales[0].layer must be an integer in [0, 2)");
+  // Rotated NVFP4 (/rot): the scale of the rotated vectors (rotated here by the reference).
+  {
+    const kvq::Policy rp = kvq::calibrate(kvq::parse_policy("k=nvfp4/rot,v=nvfp4,sinks=4"), data);
+    const kvq::QuantConfig rk = rp.key_for(1, 2);
+    ASSERT_TRUE(rk.rotate);
+    const kvq::Rotation r = kvq::Rotation::hadamard(16, rk.seed);
+    const float* s2 = r.signs2().empty() ? nullptr : r.signs2().data();
+    const int32_t* perm = r.permutation().empty() ? nullptr : r.permutation().data();
+    std::vector<float> k = data.sequences[0].layers[1].k;
+    float a = 0.f;
+    for (int64_t v = sinks * 2; v < 64 * 2; ++v) {
+      kvq::reference::hadamard_rotation_ref(k.data() + v * 16, 16, r.block(), r.signs().data(),
+                                            perm, s2);
+      for (int d = 0; d < 16; ++d) a = std::max(a, std::fabs(k[static_cast<std::size_t>(v * 16 + d)]));
+    }
+    EXPECT_NEAR(rk.fp4_tensor_scale, a / 2688.0f, 1e-6f * a / 2688.0f);
+    EXPECT_NE(rk.fp4_tensor_scale, amax_of(1, true) / 2688.0f);
+    EXPECT_EQ(rp.value_for(1, 2).fp4_tensor_scale, amax_of(1, false) / 2688.0f);
+  }
   // Small data: the default scale leaves e4m3 block scales subnormal; the calibrated one does
   // not, and the error falls.
   for (auto& seq : data.sequences)

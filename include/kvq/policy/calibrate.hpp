@@ -39,6 +39,7 @@
 #include "kvq/geometry/outliers.hpp"
 #include "kvq/policy/spec.hpp"
 #include "kvq/quant/nuq_quant.hpp"
+#include "kvq/quant/rotated_quant.hpp"
 
 namespace kvq {
 
@@ -243,18 +244,28 @@ inline NuqCodebook calibrate_one(const CalibrationSet& s, int layer, bool is_key
 }
 
 /// Largest magnitude of one layer's keys or values over the calibration sequences, after the
-/// policy's sinks (which stay f32); throws kNonFinite on NaN/Inf.
-inline float calibration_amax(const CalibrationSet& s, int layer, bool is_key, int sinks) {
-  const int64_t HD = static_cast<int64_t>(s.kv_heads) * s.head_dim;
+/// policy's sinks (which stay f32), as the quantizer of `cfg` sees them: every head vector
+/// rotated first when cfg rotates (/rot). Throws kNonFinite on NaN/Inf.
+inline float calibration_amax(const CalibrationSet& s, int layer, bool is_key, int sinks,
+                              const QuantConfig& cfg) {
+  const int64_t D = s.head_dim;
+  const Rotation* rot = rotated_plain(cfg) ? &hadamard_rotation_for(D, cfg.seed) : nullptr;
+  std::vector<float> row(static_cast<std::size_t>(D));
   float amax = 0.f;
   for (const auto& seq : s.sequences) {
     const auto& L = seq.layers[static_cast<std::size_t>(layer)];
     const std::vector<float>& X = is_key ? L.k : L.v;
-    for (std::size_t i = static_cast<std::size_t>(std::min<int64_t>(sinks, seq.tokens) * HD);
-         i < static_cast<std::size_t>(seq.tokens * HD); ++i) {
-      KVQ_REQUIRE(std::isfinite(X[i]), kNonFinite, "calibrate: layer ", layer,
-                  is_key ? " keys" : " values", " hold a non-finite value");
-      amax = std::max(amax, std::fabs(X[i]));
+    for (int64_t v = std::min<int64_t>(sinks, seq.tokens) * s.kv_heads; v < seq.tokens * s.kv_heads; ++v) {
+      const float* x = X.data() + v * D;
+      for (int64_t d = 0; d < D; ++d)
+        KVQ_REQUIRE(std::isfinite(x[d]), kNonFinite, "calibrate: layer ", layer,
+                    is_key ? " keys" : " values", " hold a non-finite value");
+      if (rot != nullptr) {
+        std::copy(x, x + D, row.begin());
+        rot->apply(row.data());
+        x = row.data();
+      }
+      for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
     }
   }
   return amax;
@@ -325,7 +336,7 @@ inline Policy calibrate(const Policy& policy, const CalibrationSet& data,
       QuantConfig& c = kv == 0 ? kc : vc;
       if (opt.nvfp4_tensor_scale && nvfp4_scale_calibrates(c))
         c.fp4_tensor_scale =
-            nvfp4_tensor_scale(detail::calibration_amax(data, l, kv == 0, policy.sinks));
+            nvfp4_tensor_scale(detail::calibration_amax(data, l, kv == 0, policy.sinks, c));
       if (c.format != Format::kNuq) continue;
       const NuqCodebook cb = detail::calibrate_one(data, l, kv == 0, c, policy.sinks, opt);
       c.nuq_levels = cb.levels;
