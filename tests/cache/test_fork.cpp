@@ -183,6 +183,41 @@ TEST(Fork, ForkedSequencesEqualCachesBuiltAlone) {
   }
 }
 
+// Speculative decoding on one fork: exact rollback turned on for that fork only; drafts of
+// k <= B tokens, truncated back to the accepted ones, leave it as a cache fed only those.
+TEST(Fork, ExactRollbackOnOneFork) {
+  for (const char* spec : {"kivi4", "turbo4", "kivi2,residual=32,sinks=4"}) {
+    SCOPED_TRACE(spec);
+    const kvq::Policy p = parse_policy(spec);
+    const KVCache probe(p, kLayers, kH, kD);
+    const int64_t B = probe.block_tokens(0);
+    const int64_t P = p.sinks + p.residual + 2 * B + 5;
+    const Tokens x(P, 30);
+    const Tokens drafts(40 * 6, 31);
+    KVCache a(p, kLayers, kH, kD);
+    feed(a, x, 0, P, 64);
+    KVCache f = a.fork();
+    f.set_exact_rollback(true);
+    EXPECT_TRUE(f.options().exact_rollback);
+    EXPECT_FALSE(a.options().exact_rollback);
+    Tokens kept = x.then(P, drafts, 0, 0);
+    for (int step = 0; step < 40; ++step) {
+      const int64_t k = 1 + step % 6, keep = (step * 7) % (k + 1), n = f.tokens(0);
+      feed(f, drafts, 6 * step, 6 * step + k, static_cast<int>(k));
+      for (int l = 0; l < kLayers; ++l) ASSERT_TRUE(f.truncate_is_exact(l, n + keep));
+      f.truncate(n + keep);
+      kept = kept.then(kept.n, drafts, 6 * step, 6 * step + keep);
+    }
+    kvq::KVCacheOptions on;
+    on.exact_rollback = true;
+    expect_same(f, *built_alone(p, kept, kept.n, on), "speculative fork", /*rollback=*/false);
+    expect_same(a, *built_alone(p, x, P), "source untouched");
+    f.set_exact_rollback(false);
+    for (const auto& l : f.memory_report().layers) EXPECT_EQ(l.key.rollback + l.value.rollback, 0u);
+    expect_same(f, *built_alone(p, kept, kept.n), "rollback off again");
+  }
+}
+
 // fork(n): the first n tokens, exact where truncate(n) is.
 TEST(Fork, ForkAtAnEarlierPrefix) {
   for (const char* spec : {"turbo4", "f16", "k8v4,residual=0", "kivi4", "kivi2,residual=32,sinks=4"}) {

@@ -336,6 +336,21 @@ class KVCache {
     return f;
   }
 
+  /// Turns exact rollback (KVCacheOptions::exact_rollback) on or off from now on, e.g. for
+  /// one fork of a family that verifies speculative drafts. Off: the originals kept are
+  /// dropped and their memory freed. On: the originals of every page flushed from now on are
+  /// kept, so a rollback of drafts appended after this call is exact; for tokens appended
+  /// before it, truncate_is_exact() tells. No allocation, no throw.
+  void set_exact_rollback(bool on) noexcept {
+    options_.exact_rollback = on;
+    if (on) return;
+    for (Layer& L : layers_) {
+      L.roll = false;
+      std::vector<float>().swap(L.roll_k);
+      std::vector<float>().swap(L.roll_v);
+    }
+  }
+
   /// Allocates what every layer needs to hold `tokens` tokens (pages, page table, f32 windows,
   /// rollback rows, single-token staging and the quantizer workspace), so that appending up to
   /// `tokens` tokens one at a time allocates nothing. Changes no token; may throw bad_alloc.
