@@ -357,7 +357,8 @@ void run_fork(const Options& o, const kvq::Policy& policy) {
   const auto row = static_cast<std::size_t>(H * D);
   std::mt19937 rng(o.seed + 2000);
   // kept[s][l]: the keys and values sequence s holds in layer l, for the check.
-  std::vector<std::vector<std::vector<float>>> kept_k(static_cast<std::size_t>(n)), kept_v(kept_k.size());
+  std::vector<std::vector<std::vector<float>>> kept_k(static_cast<std::size_t>(n)),
+      kept_v(kept_k.size());
   std::vector<kvq::KVCache> forks;
   {
     kvq::KVCache root(policy, L, H, D);
@@ -424,27 +425,31 @@ void run_fork(const Options& o, const kvq::Policy& policy) {
       exact = exact && a == b;
     }
   }
-  std::printf("  prefix sharing: %d sequences forked from one %d-token prefix, %d steps; sequence 0 "
-              "speculates %d draft tokens per step with exact rollback (%lld of %lld accepted); "
-              "every fork equals a cache fed its tokens alone: %s\n",
-              n, T, o.decode, kDraft, static_cast<long long>(accepted),
-              static_cast<long long>(drafted), exact ? "yes" : "NO");
+  std::printf(
+      "  prefix sharing: %d sequences forked from one %d-token prefix, %d steps; sequence 0 "
+      "speculates %d draft tokens per step with exact rollback (%lld of %lld accepted); "
+      "every fork equals a cache fed its tokens alone: %s\n",
+      n, T, o.decode, kDraft, static_cast<long long>(accepted), static_cast<long long>(drafted),
+      exact ? "yes" : "NO");
   std::vector<const kvq::KVCache*> all;
   std::size_t each = 0;
   for (int s = 0; s < n; ++s) {
     const kvq::KVCache& f = forks[static_cast<std::size_t>(s)];
     const kvq::MemoryReport m = f.memory_report();
-    std::printf("    fork %d: %lld tokens per layer, %zu bytes (%zu in pages shared with other "
-                "forks), %.3f bits/value\n",
-                s, static_cast<long long>(f.tokens(0)), m.total(), m.shared(), m.effective_bits());
+    std::printf(
+        "    fork %d: %lld tokens per layer, %zu bytes (%zu in pages shared with other "
+        "forks), %.3f bits/value\n",
+        s, static_cast<long long>(f.tokens(0)), m.total(), m.shared(), m.effective_bits());
     all.push_back(&f);
     each += m.total();
   }
-  std::printf("    all forks: %zu bytes, each shared page counted once (%zu if every fork held "
-              "its own copy)\n\n",
-              kvq::unique_total(all), each);
-  if (!exact) kvq::fail(kvq::ErrorKind::kInvalidArgument,
-                        "a fork differs from a cache fed the same tokens alone");
+  std::printf(
+      "    all forks: %zu bytes, each shared page counted once (%zu if every fork held "
+      "its own copy)\n\n",
+      kvq::unique_total(all), each);
+  if (!exact)
+    kvq::fail(kvq::ErrorKind::kInvalidArgument,
+              "a fork differs from a cache fed the same tokens alone");
 }
 
 }  // namespace

@@ -30,7 +30,11 @@ using kvq::Shape;
 constexpr int kLayers = 2, kH = 2, kD = 64, kQH = 4;
 
 const char* const kPolicies[] = {
-    "kivi4",   "k8v4", "turbo4", "f16", "kivi2,residual=32,sinks=4",
+    "kivi4",
+    "k8v4",
+    "turbo4",
+    "f16",
+    "kivi2,residual=32,sinks=4",
     "k=int3/channel/g32/out1%,v=int4/token/g32/out2",
 };
 
@@ -220,7 +224,8 @@ TEST(Fork, ExactRollbackOnOneFork) {
 
 // fork(n): the first n tokens, exact where truncate(n) is.
 TEST(Fork, ForkAtAnEarlierPrefix) {
-  for (const char* spec : {"turbo4", "f16", "k8v4,residual=0", "kivi4", "kivi2,residual=32,sinks=4"}) {
+  for (const char* spec :
+       {"turbo4", "f16", "k8v4,residual=0", "kivi4", "kivi2,residual=32,sinks=4"}) {
     const kvq::Policy p = parse_policy(spec);
     kvq::KVCacheOptions o;
     o.exact_rollback = true;
@@ -432,7 +437,7 @@ TEST(Fork, MemoryReportCountsSharedPages) {
 class CountingPool final : public kvq::PageAllocator {
  public:
   CountingPool(std::size_t pages, std::size_t page_bytes) : page_bytes_(page_bytes), n_(pages) {
-    buf_.reset(static_cast<std::byte*>(::operator new(pages * page_bytes, std::align_val_t(64))));
+    buf_.reset(static_cast<std::byte*>(::operator new(pages* page_bytes, std::align_val_t(64))));
     std::memset(buf_.get(), 0xCD, pages * page_bytes);
     for (std::size_t i = pages; i-- > 0;) free_.push_back(buf_.get() + i * page_bytes);
   }
@@ -542,10 +547,12 @@ struct Snapshot {
       }
       const int64_t n = c.tokens(l);
       std::vector<float> k(static_cast<size_t>(n * kH * kD)), v(k.size());
-      c.read(l, 0, n, KVView<float>::nhd(k.data(), n, kH, kD), KVView<float>::nhd(v.data(), n, kH, kD));
+      c.read(l, 0, n, KVView<float>::nhd(k.data(), n, kH, kD),
+             KVView<float>::nhd(v.data(), n, kH, kD));
       rows.insert(rows.end(), k.begin(), k.end());
       rows.insert(rows.end(), v.begin(), v.end());
-      counts.insert(counts.end(), {c.tokens(l), c.sink_tokens(l), c.packed_tokens(l), c.residual_tokens(l)});
+      counts.insert(counts.end(),
+                    {c.tokens(l), c.sink_tokens(l), c.packed_tokens(l), c.residual_tokens(l)});
     }
     total = c.memory_report().total();
   }

@@ -167,7 +167,8 @@ struct MemoryReport {
   /// page_bytes summed over layers. total() - shared() is what this cache alone holds.
   std::size_t shared() const {
     std::size_t n = 0;
-    for (const LayerMemory& l : layers) n += static_cast<std::size_t>(l.shared_blocks) * l.page_bytes;
+    for (const LayerMemory& l : layers)
+      n += static_cast<std::size_t>(l.shared_blocks) * l.page_bytes;
     return n;
   }
   /// K and V elements held (2 * tokens * kv_heads * head_dim summed over layers).

@@ -7,6 +7,13 @@
 /// allocates only when it outgrows the capacity, never per token; reserve() allocates up
 /// front. Chunks are zero-filled when allocated, so the alignment padding of every page is
 /// zero and two caches holding the same tokens hold the same page bytes.
+///
+/// Pages are reference-counted: share() gives another arena (a KVCache::fork()) the pages in
+/// use without copying them. Copy-on-write needs no copy here: pages in use are never written
+/// (a writer fills free slots, then publishes them), and a page that leaves use while another
+/// arena holds it is dropped instead of becoming a free slot, so every free slot is held by
+/// its arena alone. An engine's page goes back to its PageAllocator once, when the last arena
+/// holding it drops it; kvq's own chunk is freed when no arena holds any page of it.
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
@@ -176,7 +183,8 @@ class PageArena {
     }
     /// A group of n pages, each held once; with `own_pages` the pages follow the header
     /// (zero-filled). Throws bad_alloc, allocating nothing.
-    static Group* make(std::size_t n, std::size_t page_bytes, PageAllocator* alloc, bool own_pages) {
+    static Group* make(std::size_t n, std::size_t page_bytes, PageAllocator* alloc,
+                       bool own_pages) {
       const std::size_t head = header_bytes(n);
       KVQ_REQUIRE(!own_pages || n <= (SIZE_MAX - head) / page_bytes, kOutOfRange, "PageArena: ",
                   n, " pages of ", page_bytes, " bytes do not fit in memory");
