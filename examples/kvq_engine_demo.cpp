@@ -17,6 +17,13 @@
 // rows as f32), on --threads workers; each sequence's rows are checked bit for bit against
 // kvq::attend on its own cache, and the bytes of each sequence are printed.
 //
+// Then prefix sharing: --seqs sequences (at least 2) forked from one cache holding a shared
+// --prefill-token prefix (KVCache::fork shares its pages), each decoding --decode steps of its
+// own; the first decodes speculatively (exact rollback on for that fork: 4 draft tokens per
+// step, truncated back to the accepted ones). Each fork is checked bit for bit against a cache
+// fed its kept tokens alone, and the bytes of each fork (and how many of them sit in shared
+// pages) and of all forks together are printed.
+//
 // The data is synthetic: Gaussian keys with a few large fixed channels (the outlier pattern of
 // real keys that makes per-channel key grouping matter), Gaussian values and queries.
 #include <algorithm>
@@ -57,7 +64,8 @@ const char* const kUsage =
     "  --q-heads  query heads, a multiple of --kv-heads (default 8)\n"
     "  --head-dim head dimension (default 128) --prefill  prefill tokens (default 256)\n"
     "  --decode   decode steps (default 64)   --seed      data seed (default 1)\n"
-    "  --seqs     sequences of the batched decode (default 3; 0 skips it)\n"
+    "  --seqs     sequences of the batched decode and of the prefix sharing (default 3; 0 skips\n"
+    "             both; prefix sharing forks at least 2)\n"
     "  --threads  attention threads of the batched decode (default 1)\n";
 
 [[noreturn]] void usage_error(const std::string& msg) {
@@ -334,6 +342,116 @@ void run_batch(const Options& o, const kvq::Policy& policy) {
                                     "attend_batch rows differ from attend on the same cache");
 }
 
+/// Prefix sharing: o.seqs (at least 2) sequences forked from one cache holding a shared
+/// o.prefill-token prefix (KVCache::fork(): the pages are shared, not copied), the source then
+/// dropped; each fork decodes o.decode steps of its own tokens. Fork 0 decodes speculatively:
+/// exact rollback on for that fork only, each step appends kDraft draft tokens to every layer
+/// and truncates back to the ones accepted. Each fork is checked bit for bit (page bytes and
+/// attend_one) against a cache fed its kept tokens alone; the bytes of each fork and of all
+/// together (each shared page once) are printed.
+void run_fork(const Options& o, const kvq::Policy& policy) {
+  using KV = kvq::KVView<const float>;
+  constexpr int kDraft = 4;
+  const int L = o.layers, H = o.kv_heads, QH = o.q_heads, D = o.head_dim;
+  const int n = std::max(o.seqs, 2), T = o.prefill;
+  const auto row = static_cast<std::size_t>(H * D);
+  std::mt19937 rng(o.seed + 2000);
+  // kept[s][l]: the keys and values sequence s holds in layer l, for the check.
+  std::vector<std::vector<std::vector<float>>> kept_k(static_cast<std::size_t>(n)),
+      kept_v(kept_k.size());
+  std::vector<kvq::KVCache> forks;
+  {
+    kvq::KVCache root(policy, L, H, D);
+    std::vector<std::vector<float>> pk(static_cast<std::size_t>(L)), pv(pk.size());
+    for (int l = 0; l < L && T > 0; ++l) {
+      pk[static_cast<std::size_t>(l)] = synth(rng, T, H, D, true);
+      pv[static_cast<std::size_t>(l)] = synth(rng, T, H, D, false);
+      root.append(l, KV::nhd(pk[static_cast<std::size_t>(l)].data(), T, H, D),
+                  KV::nhd(pv[static_cast<std::size_t>(l)].data(), T, H, D));
+    }
+    for (int s = 0; s < n; ++s) {
+      forks.push_back(root.fork());
+      kept_k[static_cast<std::size_t>(s)] = pk;
+      kept_v[static_cast<std::size_t>(s)] = pv;
+    }
+  }  // the source goes; the forks keep the prefix pages alive
+  forks[0].set_exact_rollback(true);
+  int64_t drafted = 0, accepted = 0;
+  bool exact = true;
+  for (int step = 0; step < o.decode; ++step)
+    for (int s = 0; s < n; ++s) {
+      kvq::KVCache& c = forks[static_cast<std::size_t>(s)];
+      const int m = s == 0 ? kDraft : 1;
+      const int keep = s == 0 ? (3 * step) % (kDraft + 1) : 1;  // drafts accepted: 0..kDraft
+      const int64_t before = c.tokens(0);
+      for (int l = 0; l < L; ++l) {
+        const auto k = synth(rng, m, H, D, true), v = synth(rng, m, H, D, false);
+        c.append(l, KV::nhd(k.data(), m, H, D), KV::nhd(v.data(), m, H, D));
+        auto& kk = kept_k[static_cast<std::size_t>(s)][static_cast<std::size_t>(l)];
+        auto& kv = kept_v[static_cast<std::size_t>(s)][static_cast<std::size_t>(l)];
+        kk.insert(kk.end(), k.begin(), k.begin() + static_cast<std::ptrdiff_t>(keep * row));
+        kv.insert(kv.end(), v.begin(), v.begin() + static_cast<std::ptrdiff_t>(keep * row));
+      }
+      if (keep < m) {
+        for (int l = 0; l < L; ++l) exact = exact && c.truncate_is_exact(l, before + keep);
+        c.truncate(before + keep);
+      }
+      if (s == 0) {
+        drafted += m;
+        accepted += keep;
+      }
+    }
+  // Each fork against a cache fed its kept tokens alone.
+  kvq::AttentionWorkspace ws;
+  std::vector<float> a(static_cast<std::size_t>(QH * D)), b(a.size());
+  for (int s = 0; s < n; ++s) {
+    kvq::KVCacheOptions opts;
+    opts.exact_rollback = s == 0;
+    kvq::KVCache alone(policy, L, H, D, 0, opts);
+    const kvq::KVCache& f = forks[static_cast<std::size_t>(s)];
+    for (int l = 0; l < L; ++l) {
+      const auto& kk = kept_k[static_cast<std::size_t>(s)][static_cast<std::size_t>(l)];
+      const auto& kv = kept_v[static_cast<std::size_t>(s)][static_cast<std::size_t>(l)];
+      const auto t = static_cast<int64_t>(kk.size() / row);
+      if (t > 0) alone.append(l, KV::nhd(kk.data(), t, H, D), KV::nhd(kv.data(), t, H, D));
+      const kvq::PageTable pf = f.page_table(l), pa = alone.page_table(l);
+      exact = exact && pf.n_pages == pa.n_pages && f.tokens(l) == alone.tokens(l);
+      for (int64_t j = 0; exact && j < pf.n_pages; ++j)
+        exact = std::equal(pf.pages[j], pf.pages[j] + pf.layout.bytes, pa.pages[j]);
+      if (f.tokens(l) == 0) continue;
+      const auto q = synth(rng, 1, QH, D, false);
+      kvq::attend_one(f, l, q.data(), QH, a.data(), ws);
+      kvq::attend_one(alone, l, q.data(), QH, b.data(), ws);
+      exact = exact && a == b;
+    }
+  }
+  std::printf(
+      "  prefix sharing: %d sequences forked from one %d-token prefix, %d steps; sequence 0 "
+      "speculates %d draft tokens per step with exact rollback (%lld of %lld accepted); "
+      "every fork equals a cache fed its tokens alone: %s\n",
+      n, T, o.decode, kDraft, static_cast<long long>(accepted), static_cast<long long>(drafted),
+      exact ? "yes" : "NO");
+  std::vector<const kvq::KVCache*> all;
+  std::size_t each = 0;
+  for (int s = 0; s < n; ++s) {
+    const kvq::KVCache& f = forks[static_cast<std::size_t>(s)];
+    const kvq::MemoryReport m = f.memory_report();
+    std::printf(
+        "    fork %d: %lld tokens per layer, %zu bytes (%zu in pages shared with other "
+        "forks), %.3f bits/value\n",
+        s, static_cast<long long>(f.tokens(0)), m.total(), m.shared(), m.effective_bits());
+    all.push_back(&f);
+    each += m.total();
+  }
+  std::printf(
+      "    all forks: %zu bytes, each shared page counted once (%zu if every fork held "
+      "its own copy)\n\n",
+      kvq::unique_total(all), each);
+  if (!exact)
+    kvq::fail(kvq::ErrorKind::kInvalidArgument,
+              "a fork differs from a cache fed the same tokens alone");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -347,7 +465,10 @@ int main(int argc, char** argv) {
   try {
     for (const kvq::Policy& p : policies) {
       run(o, p);
-      if (o.seqs > 0 && o.decode > 0) run_batch(o, p);
+      if (o.seqs > 0 && o.decode > 0) {
+        run_batch(o, p);
+        run_fork(o, p);
+      }
     }
   } catch (const kvq::Error& e) {
     std::fprintf(stderr, "kvq_engine_demo: error: %s\n", e.what());

@@ -9,7 +9,8 @@
 //   - dequantize() of one shared const QTensor;
 //   - const calls on one KVCache (read, attend with one AttentionWorkspace per thread,
 //     memory_report, for_each_segment, tokens) while no thread calls a non-const method;
-//   - anything on distinct KVCache objects (append, truncate, attend, ...);
+//   - anything on distinct KVCache objects (append, truncate, attend, ...), forks of one cache
+//     (KVCache::fork, sharing pages) included;
 //   - parse_policy / spec() (pure functions);
 //   - attention that itself runs on several threads (AttentionOptions::threads > 1, or a
 //     caller's parallel_for), attend and attend_batch, from several outer threads at once;
@@ -23,6 +24,7 @@
 #include <atomic>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -188,6 +190,41 @@ TEST(Concurrency, DistinctCachesAreIndependent) {
                kvq::KVView<const float>::nhd(more.data(), 9, 2, 32));
     kvq::AttentionWorkspace ws;
     EXPECT_TRUE(same_bits(got[i], reader_view(c, ws))) << specs[i];
+  }
+}
+
+// Forks of one cache (KVCache::fork: the pages shared, reference-counted) written on different
+// threads (truncated back into shared pages, appended to, flushing into new pages), while each
+// thread also reads one fork nobody writes and one thread destroys the source.
+TEST(Concurrency, ForksOfOneCacheAreIndependent) {
+  for (const char* spec : {"kivi2", "turbo4,sinks=2"}) {
+    auto source = std::make_unique<kvq::KVCache>(filled_cache(spec, 40));
+    const kvq::KVCache reader = source->fork();
+    std::vector<kvq::KVCache> forks;
+    for (int i = 0; i < kThreads; ++i) forks.push_back(source->fork());
+    auto write = [](kvq::KVCache& c, int i) {
+      c.truncate(20 + 5 * i);
+      const std::vector<float> more = kvq_robust::normal({40, 2, 32}, 50 + i);
+      for (int l = 0; l < 2; ++l)
+        c.append(l, kvq::KVView<const float>::nhd(more.data(), 40, 2, 32),
+                 kvq::KVView<const float>::nhd(more.data(), 40, 2, 32));
+    };
+    std::vector<std::vector<float>> got(kThreads), seen(kThreads);
+    run_together([&](int i) {
+      if (i == kThreads - 1) source.reset();
+      kvq::AttentionWorkspace ws;
+      seen[i] = reader_view(reader, ws);
+      write(forks[static_cast<std::size_t>(i)], i);
+      got[i] = reader_view(forks[static_cast<std::size_t>(i)], ws);
+    });
+    kvq::AttentionWorkspace ws;
+    const std::vector<float> expect_seen = reader_view(filled_cache(spec, 40), ws);
+    for (int i = 0; i < kThreads; ++i) {
+      kvq::KVCache alone = filled_cache(spec, 40);  // never forked
+      write(alone, i);
+      EXPECT_TRUE(same_bits(got[i], reader_view(alone, ws))) << spec << " fork " << i;
+      EXPECT_TRUE(same_bits(seen[i], expect_seen)) << spec << " reader on thread " << i;
+    }
   }
 }
 

@@ -129,6 +129,10 @@ struct LayerMemory {
   int64_t residual_tokens = 0;
   int64_t released_tokens = 0;  ///< positions whose pages were released (sliding window)
   int64_t blocks = 0;        ///< pages in use (each holds B tokens of K and V)
+  /// Of `blocks`, the pages another cache (a fork, KVCache::fork()) also holds at the time of
+  /// the report. They are counted in full in `key` and `value` of every cache that holds them;
+  /// unique_total() counts each page once over several caches.
+  int64_t shared_blocks = 0;
   int64_t block_tokens = 0;  ///< B
   std::size_t page_bytes = 0;  ///< bytes of one page (PageLayout::bytes)
   QuantConfig key_config, value_config;
@@ -159,6 +163,14 @@ struct MemoryReport {
     return s;
   }
   std::size_t total() const { return key_total().total() + value_total().total(); }
+  /// Bytes of total() in pages that another cache (a fork) also holds: shared_blocks x
+  /// page_bytes summed over layers. total() - shared() is what this cache alone holds.
+  std::size_t shared() const {
+    std::size_t n = 0;
+    for (const LayerMemory& l : layers)
+      n += static_cast<std::size_t>(l.shared_blocks) * l.page_bytes;
+    return n;
+  }
   /// K and V elements held (2 * tokens * kv_heads * head_dim summed over layers).
   int64_t elements() const {
     int64_t n = 0;
@@ -216,6 +228,12 @@ struct MemoryReport {
                   key_total().total(), value_total().total(), total(), overhead, scratch,
                   effective_bits(), compression_vs_f16());
     s += line;
+    if (shared() > 0) {
+      std::snprintf(line, sizeof line,
+                    "of which %zu B in pages shared with a fork (%zu B held by this cache alone)\n",
+                    shared(), total() - shared());
+      s += line;
+    }
     return s;
   }
 };
@@ -291,6 +309,48 @@ class KVCache {
   void append(int layer, KVView<const float> k, KVView<const float> v) { append_impl(layer, k, v); }
   void append(int layer, KVView<const f16> k, KVView<const f16> v) { append_impl(layer, k, v); }
   void append(int layer, KVView<const bf16> k, KVView<const bf16> v) { append_impl(layer, k, v); }
+
+  /// A new cache holding this cache's tokens that shares its pages (prefix sharing): no page
+  /// is copied or allocated, each is reference-counted, and an engine's PageAllocator gets a
+  /// page back once, when the last cache holding it drops it. What can still change is copied
+  /// at once: the f32 sinks, the f32 residual window (which holds the block not yet packed:
+  /// a page is only ever written whole, when its block is flushed) and the rollback
+  /// originals. Published pages are never written (a flush fills a free slot of the cache
+  /// that flushes; a truncation into a page dequantizes it into the residual and drops it), and
+  /// a shared page that leaves a cache's use is dropped by that cache instead of recycled, so
+  /// no later call on either cache (append, truncate, release_before, clear, destruction)
+  /// changes the other's bytes or attention. Each then behaves exactly as a cache that was fed
+  /// the same tokens alone (same pages, windows and attention, bit for bit). Options (exact
+  /// rollback, the allocator) and max_tokens are the source's. Throws bad_alloc (host memory
+  /// for the page tables and f32 rows; no engine page is needed), leaving the source as it
+  /// was. Reads the source only: it may run while other threads read the source, not while
+  /// one writes it.
+  KVCache fork() const { return KVCache(*this, ForkTag{}); }
+  /// A fork of the first n tokens of every layer: fork() followed by truncate(n) on the fork,
+  /// so it is exact where truncate(n) is (truncate_is_exact(): a cut on a page boundary, in
+  /// the sinks or the residual, or in the newest page while its originals are kept). Throws
+  /// kOutOfRange, creating nothing, when a layer holds fewer than n tokens.
+  KVCache fork(int64_t n) const {
+    for (int l = 0; l < n_layers_; ++l) check_truncate(l, n);
+    KVCache f = fork();
+    f.truncate(n);
+    return f;
+  }
+
+  /// Turns exact rollback (KVCacheOptions::exact_rollback) on or off from now on, e.g. for
+  /// one fork of a family that verifies speculative drafts. Off: the originals kept are
+  /// dropped and their memory freed. On: the originals of every page flushed from now on are
+  /// kept, so a rollback of drafts appended after this call is exact; for tokens appended
+  /// before it, truncate_is_exact() tells. No allocation, no throw.
+  void set_exact_rollback(bool on) noexcept {
+    options_.exact_rollback = on;
+    if (on) return;
+    for (Layer& L : layers_) {
+      L.roll = false;
+      std::vector<float>().swap(L.roll_k);
+      std::vector<float>().swap(L.roll_v);
+    }
+  }
 
   /// Allocates what every layer needs to hold `tokens` tokens (pages, page table, f32 windows,
   /// rollback rows, single-token staging and the quantizer workspace), so that appending up to
@@ -512,6 +572,7 @@ class KVCache {
       lm.packed_tokens = packed_count(L);
       lm.residual_tokens = residual_count(L);
       lm.blocks = static_cast<int64_t>(L.pages.size());
+      lm.shared_blocks = static_cast<int64_t>(L.pages.shared_pages());
       lm.block_tokens = L.block;
       lm.page_bytes = L.layout.bytes;
       lm.key_config = L.kcfg;
@@ -541,6 +602,40 @@ class KVCache {
 
  private:
   friend struct detail::KVCacheAccess;
+
+  struct ForkTag {};
+  /// fork(): every member as the copy constructor copies it, but the pages shared.
+  KVCache(const KVCache& o, ForkTag)
+      : policy_(o.policy_),
+        n_layers_(o.n_layers_),
+        kv_heads_(o.kv_heads_),
+        head_dim_(o.head_dim_),
+        max_tokens_(o.max_tokens_),
+        options_(o.options_),
+        row_(o.row_) {
+    layers_.resize(o.layers_.size());
+    for (std::size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& s = o.layers_[l];
+      Layer& d = layers_[l];
+      d.kcfg = s.kcfg;
+      d.vcfg = s.vcfg;
+      d.block = s.block;
+      d.skipped = s.skipped;
+      d.tokens = s.tokens;
+      d.dropped = s.dropped;
+      d.layout = s.layout;
+      d.pages = s.pages.share();
+      d.sink_k = s.sink_k;
+      d.sink_v = s.sink_v;
+      d.res_k = s.res_k;
+      d.res_v = s.res_v;
+      if (s.roll) {
+        d.roll_k = s.roll_k;
+        d.roll_v = s.roll_v;
+      }
+      d.roll = s.roll;
+    }
+  }
 
   struct Layer {
     QuantConfig kcfg, vcfg;  // streaming configs
@@ -892,5 +987,30 @@ class KVCache {
   std::vector<float> gather_k_, gather_v_;  // [B, kv_heads, head_dim] a block straddling both
   QuantWorkspace ws_;
 };
+
+/// The stored bytes of several caches together (MemoryReport::total() of each), every page
+/// counted once however many of them hold it (forks share pages; KVCache::fork()). A cache
+/// listed twice counts once. Reads the caches: not while one of them is written.
+inline std::size_t unique_total(const std::vector<const KVCache*>& caches) {
+  std::vector<const KVCache*> cs(caches);
+  std::sort(cs.begin(), cs.end());
+  cs.erase(std::unique(cs.begin(), cs.end()), cs.end());
+  std::size_t total = 0;
+  std::vector<std::pair<const std::byte*, std::size_t>> pages;  // (page, its bytes)
+  for (const KVCache* c : cs) {
+    if (c == nullptr) continue;
+    const MemoryReport m = c->memory_report();
+    total += m.total();
+    for (int l = 0; l < c->n_layers(); ++l) {
+      const PageTable t = c->page_table(l);
+      for (int64_t j = 0; j < t.n_pages; ++j) pages.emplace_back(t.pages[j], t.layout.bytes);
+      total -= static_cast<std::size_t>(t.n_pages) * t.layout.bytes;
+    }
+  }
+  std::sort(pages.begin(), pages.end());
+  pages.erase(std::unique(pages.begin(), pages.end()), pages.end());
+  for (const auto& p : pages) total += p.second;
+  return total;
+}
 
 }  // namespace kvq
