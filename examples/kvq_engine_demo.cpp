@@ -260,13 +260,11 @@ void run_batch(const Options& o, const kvq::Policy& policy) {
       seqs.back().append(l, KV::nhd(k.data(), T, H, D), KV::nhd(v.data(), T, H, D));
     }
   }
-  // What an engine keeps per step: the page pointers of all sequences (ids into this array),
-  // indptrs, tokens, f32 sink / tail rows; rebuilt per layer from the caches' page tables.
-  std::vector<const std::byte*> pages;
-  std::vector<int32_t> ids;
-  std::vector<int64_t> page_indptr, tokens, query_indptr(static_cast<std::size_t>(B) + 1);
-  std::vector<KV> sk(static_cast<std::size_t>(B)), sv(sk.size()), tk(sk.size()), tv(sk.size());
-  for (int s = 0; s <= B; ++s) query_indptr[static_cast<std::size_t>(s)] = s;  // one query each
+  // What an engine keeps per step: the page pointers of all sequences, indptrs, tokens, f32
+  // sink / tail rows, gathered per layer from the caches (kvq::CacheBatch: one query each).
+  kvq::CacheBatch cbatch;
+  std::vector<const kvq::KVCache*> seq_ptrs;
+  for (const kvq::KVCache& c : seqs) seq_ptrs.push_back(&c);
   kvq::BatchAttentionWorkspace bws;
   kvq::AttentionWorkspace ws;
   kvq::AttentionOptions opt;
@@ -281,43 +279,7 @@ void run_batch(const Options& o, const kvq::Policy& policy) {
         const auto k = synth(rng, 1, H, D, true), v = synth(rng, 1, H, D, false);
         c.append(l, KV::nhd(k.data(), 1, H, D), KV::nhd(v.data(), 1, H, D));
       }
-      pages.clear();
-      ids.clear();
-      page_indptr.assign(1, 0);
-      tokens.clear();
-      kvq::PagedKVBatch b;
-      for (int s = 0; s < B; ++s) {
-        const auto us = static_cast<std::size_t>(s);
-        const kvq::PageTable pt = seqs[us].page_table(l);
-        b.layout = pt.layout;
-        for (int64_t j = 0; j < pt.n_pages; ++j) {
-          ids.push_back(static_cast<int32_t>(pages.size()));
-          pages.push_back(pt.pages[j]);
-        }
-        page_indptr.push_back(static_cast<int64_t>(ids.size()));
-        tokens.push_back(pt.tokens);
-        sk[us] = sv[us] = tk[us] = tv[us] = KV(nullptr, kvq::Shape{0, H, D});
-        seqs[us].for_each_segment(l, [&](const kvq::CacheSegment& g) {
-          if (g.kind == kvq::CacheSegment::Kind::kSinks) {
-            sk[us] = g.key_rows;
-            sv[us] = g.value_rows;
-          } else if (g.kind == kvq::CacheSegment::Kind::kResidual) {
-            tk[us] = g.key_rows;
-            tv[us] = g.value_rows;
-          }
-        });
-      }
-      b.pages = pages.data();
-      b.pool_pages = static_cast<int64_t>(pages.size());
-      b.batch = B;
-      b.page_indptr = page_indptr.data();
-      b.page_ids = ids.data();
-      b.tokens = tokens.data();
-      b.query_indptr = query_indptr.data();
-      b.sink_k = sk.data();
-      b.sink_v = sv.data();
-      b.tail_k = tk.data();
-      b.tail_v = tv.data();
+      const kvq::PagedKVBatch& b = cbatch.gather(seq_ptrs, l);
       const auto t0 = Clock::now();
       kvq::attend_batch(b, KV::nhd(q.data(), B, QH, D), kvq::KVView<float>::nhd(out.data(), B, QH, D),
                         true, bws, nullptr, opt);

@@ -485,6 +485,8 @@ struct PyCache {
   /// Copy of another cache (a template, so that it is only compiled where KVCache copies).
   template <class C>
   PyCache(const C& other, int) : cache(other) {}
+  /// Takes a cache (a fork).
+  explicit PyCache(kvq::KVCache&& c) : cache(std::move(c)) {}
   kvq::KVCache cache;
   mutable std::shared_mutex mu;
 };
@@ -1189,6 +1191,16 @@ NB_MODULE(KVQ_PY_MODULE, m) {
            "layer"_a)
       .def("copy", [](const PyCache& c) { return copy_cache(c.cache, c); },
            nb::rv_policy::take_ownership)
+      .def(
+          "fork",
+          [](const PyCache& c, std::optional<int64_t> n) {
+            nb::gil_scoped_release nogil;
+            std::shared_lock<std::shared_mutex> lk(c.mu);
+            return new PyCache(n ? c.cache.fork(*n) : c.cache.fork());
+          },
+          nb::arg("n").none() = nb::none(), nb::rv_policy::take_ownership,
+          "A cache sharing this one's pages (prefix sharing, docs/cache.md): fork() all tokens, "
+          "fork(n) the first n of every layer. Appending to either never changes the other.")
       .def("__copy__", [](const PyCache& c) { return copy_cache(c.cache, c); },
            nb::rv_policy::take_ownership)
       .def("__deepcopy__", [](const PyCache& c, nb::handle) { return copy_cache(c.cache, c); },

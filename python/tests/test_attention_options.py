@@ -160,3 +160,25 @@ def test_attend_batch_errors() -> None:
         kvq.attend_batch([a, a], 0, q, [2])
     with pytest.raises(kvq.Error, match="layer 1 out of range"):
         kvq.attend_batch([a, a], 1, q)
+
+
+def test_fork_shares_a_prefix_and_attends_as_if_alone() -> None:
+    prefix_k, prefix_v = kv_data(100, H, D, seed=40), kv_data(100, H, D, seed=41, outliers=False)
+    ext = [(kv_data(30, H, D, seed=42 + i), kv_data(30, H, D, seed=52 + i, outliers=False)) for i in range(2)]
+    src = kvq.KVCache("kivi4,sinks=2", 1, H, D)
+    src.append(0, prefix_k, prefix_v)
+    fork = src.fork()
+    src.append(0, *ext[0])
+    fork.append(0, *ext[1])
+    q = kv_data(3, QH, D, seed=43, outliers=False)
+    for c, (ek, ev) in ((src, ext[0]), (fork, ext[1])):
+        alone = kvq.KVCache("kivi4,sinks=2", 1, H, D)
+        alone.append(0, prefix_k, prefix_v)
+        alone.append(0, ek, ev)
+        assert [a.tobytes() for a in c.read(0)] == [a.tobytes() for a in alone.read(0)]
+        assert np.array_equal(c.attend(0, q), alone.attend(0, q))
+        assert c.memory_report().total == alone.memory_report().total
+    head = src.fork(64)  # a page boundary of kivi4's 32-token blocks (after 2 sinks: exact)
+    assert head.tokens(0) == 64 and src.tokens(0) == 130
+    with pytest.raises(kvq.Error):
+        src.fork(1000)
