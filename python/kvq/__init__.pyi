@@ -84,6 +84,10 @@ class QuantConfig:
     @property
     def qjl(self) -> bool: ...
     @property
+    def rotate(self) -> bool:
+        """int / fp8 / FP4 with /rot: every head vector rotated by the seeded Hadamard rotation
+        before quantizing (Lloyd-Max always rotates; docs/formats.md)."""
+    @property
     def outliers(self) -> int:
         """Dense-and-sparse outliers kept exactly per vector (/out<k>); 0 when none or a percent."""
     @property
