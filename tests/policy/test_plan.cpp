@@ -20,7 +20,7 @@ using kvq::PlanGranularity;
 
 kvq::PlanCandidate cand(const std::string& spec) {
   const kvq::Policy p = kvq::parse_policy(spec);
-  return {spec, p.key, p.value};
+  return {spec, p.key, p.value, {}};
 }
 
 /// Exhaustive search: every assignment of candidates to the groups of `g`, the least damage

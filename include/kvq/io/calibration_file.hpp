@@ -23,6 +23,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvq/core/error.hpp"
@@ -147,12 +148,8 @@ inline CalibrationFile parse_calibration(std::string_view text, const std::strin
   if (out.policy.has_kind_terms())  // a calibrated policy is bound to its model's layers
     bad("\"spec\" has k@local / v@local / k@global / v@global terms; a calibration file holds "
         "the policy bound to its model (per-layer terms)");
-  const io::Json& cbs = field(j, "codebooks");
-  if (!cbs.is_array()) bad("\"codebooks\" must be an array");
-  std::vector<uint8_t> seen(static_cast<std::size_t>(2 * out.n_layers), 0);
-  for (std::size_t i = 0; i < cbs.size(); ++i) {
-    const io::Json& e = cbs.items()[i];
-    const std::string at = "codebooks[" + std::to_string(i) + "]";
+  // The (layer, 0 keys / 1 values) an entry names ("layer", "tensor"), each at most once.
+  auto slot = [&](const io::Json& e, const std::string& at, std::vector<uint8_t>& seen) {
     if (!e.is_object()) bad(at + " is not an object");
     const io::Json& lj = field(e, "layer");
     const auto layer = lj.is_number() ? lj.as_int64() : std::nullopt;
@@ -163,7 +160,18 @@ inline CalibrationFile parse_calibration(std::string_view text, const std::strin
       bad(at + ".tensor must be \"k\" or \"v\"");
     const int kv = tj.as_string() == "k" ? 0 : 1;
     const int l = static_cast<int>(*layer);
-    if (seen[static_cast<std::size_t>(2 * l + kv)]++) bad(at + " duplicates layer " + std::to_string(l) + " " + tj.as_string());
+    if (seen[static_cast<std::size_t>(2 * l + kv)]++)
+      bad(at + " duplicates layer " + std::to_string(l) + " " + tj.as_string());
+    return std::pair<int, int>(l, kv);
+  };
+  const io::Json& cbs = field(j, "codebooks");
+  if (!cbs.is_array()) bad("\"codebooks\" must be an array");
+  std::vector<uint8_t> seen(static_cast<std::size_t>(2 * out.n_layers), 0);
+  for (std::size_t i = 0; i < cbs.size(); ++i) {
+    const io::Json& e = cbs.items()[i];
+    const std::string at = "codebooks[" + std::to_string(i) + "]";
+    const auto [l, kv] = slot(e, at, seen);
+    const io::Json& tj = field(e, "tensor");
     QuantConfig kc = out.policy.key_for(l, out.n_layers), vc = out.policy.value_for(l, out.n_layers);
     QuantConfig& c = kv == 0 ? kc : vc;
     if (c.format != Format::kNuq)
@@ -196,18 +204,8 @@ inline CalibrationFile parse_calibration(std::string_view text, const std::strin
     for (std::size_t i = 0; i < tss->size(); ++i) {
       const io::Json& e = tss->items()[i];
       const std::string at = "tensor_scales[" + std::to_string(i) + "]";
-      if (!e.is_object()) bad(at + " is not an object");
-      const io::Json& lj = field(e, "layer");
-      const auto layer = lj.is_number() ? lj.as_int64() : std::nullopt;
-      if (!layer || *layer < 0 || *layer >= out.n_layers)
-        bad(at + ".layer must be an integer in [0, " + std::to_string(out.n_layers) + ")");
+      const auto [l, kv] = slot(e, at, seen_ts);
       const io::Json& tj = field(e, "tensor");
-      if (!tj.is_string() || (tj.as_string() != "k" && tj.as_string() != "v"))
-        bad(at + ".tensor must be \"k\" or \"v\"");
-      const int kv = tj.as_string() == "k" ? 0 : 1;
-      const int l = static_cast<int>(*layer);
-      if (seen_ts[static_cast<std::size_t>(2 * l + kv)]++)
-        bad(at + " duplicates layer " + std::to_string(l) + " " + tj.as_string());
       QuantConfig kc = out.policy.key_for(l, out.n_layers), vc = out.policy.value_for(l, out.n_layers);
       QuantConfig& c = kv == 0 ? kc : vc;
       if (c.format != Format::kNvfp4)

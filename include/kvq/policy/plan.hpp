@@ -115,7 +115,7 @@ inline std::vector<PlanCandidate> parse_plan_candidates(const std::string& list)
                 "per-layer overrides)");
     for (const auto& c : out)
       KVQ_REQUIRE(c.name != name, kInvalidArgument, "candidate name '", name, "' appears twice");
-    out.push_back({name, p.key, p.value});
+    out.push_back({name, p.key, p.value, {}});
   }
   KVQ_REQUIRE(!out.empty(), kInvalidArgument, "plan: the candidate list is empty");
   return out;
