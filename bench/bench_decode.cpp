@@ -124,7 +124,7 @@ const kvq::KVCache& cache_for(const std::string& policy, int64_t tokens) {
 int64_t stored_bytes(const std::string& policy, int64_t tokens);
 
 void BM_Decode(benchmark::State& state, std::string policy, int64_t tokens,
-               bool pre_rope = false) {
+               bool pre_rope = false, bool int8 = false) {
   const kvq::KVCache& c = cache_for(policy, tokens);
   const auto kv_bytes = static_cast<int64_t>(c.memory_report().total());
   if (kv_bytes != stored_bytes(policy, tokens)) {
@@ -137,9 +137,11 @@ void BM_Decode(benchmark::State& state, std::string policy, int64_t tokens,
   kvq::AttentionWorkspace ws;
   const kvq::RopeConfig rope;  // pre_rope: the cache's keys are taken as pre-RoPE keys
   const kvq::RopeConfig* key_rope = pre_rope ? &rope : nullptr;
-  kvq::attend_one(c, 0, q.data(), kQueryHeads, out.data(), ws, key_rope);  // sizes the workspace
+  kvq::AttentionOptions opt;
+  if (int8) opt.dot = kvq::DotProduct::kInt8;
+  kvq::attend_one(c, 0, q.data(), kQueryHeads, out.data(), ws, key_rope, opt);  // sizes ws
   for (auto _ : state) {
-    kvq::attend_one(c, 0, q.data(), kQueryHeads, out.data(), ws, key_rope);
+    kvq::attend_one(c, 0, q.data(), kQueryHeads, out.data(), ws, key_rope, opt);
     benchmark::DoNotOptimize(out.data());
     benchmark::ClobberMemory();
   }
@@ -367,6 +369,12 @@ int register_all() {
           [p = std::string(p), n](benchmark::State& s) { BM_Decode(s, p, n); })
           ->Unit(benchmark::kMillisecond);
     }
+  // the int8 dot-product path (DotProduct::kInt8) next to the exact one at the longest length
+  for (const char* p : kPolicies)
+    benchmark::RegisterBenchmark(
+        ("BM_Decode/" + std::string(p) + "/" + std::to_string(kMaxTokens) + "/fast").c_str(),
+        [p = std::string(p)](benchmark::State& s) { BM_Decode(s, p, kMaxTokens, false, true); })
+        ->Unit(benchmark::kMillisecond);
   for (const auto& e : kExtraPolicies) {
     const int64_t n = kMaxTokens;
     sizes.insert(stored_bytes(e.first, n));

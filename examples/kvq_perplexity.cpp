@@ -44,7 +44,8 @@ class MeasuringBackend final : public kvq::eval::KVBackend {
  public:
   MeasuringBackend(kvq::Policy p, const kvq::eval::KVGeometry& g, bool simulate, bool prerope,
                    const kvq::RopeConfig& rope = {},
-                   std::vector<kvq::RopeConfig> layer_ropes = {}) {
+                   std::vector<kvq::RopeConfig> layer_ropes = {},
+                   kvq::DotProduct dot = kvq::DotProduct::kExact) {
     if (simulate) {
       KVQ_REQUIRE(!prerope || rope.style == kvq::RopeStyle::kAdjacent, kUnsupported,
                   "--simulate --prerope supports adjacent-pair RoPE only (this model rotates "
@@ -56,6 +57,7 @@ class MeasuringBackend final : public kvq::eval::KVBackend {
     } else {
       cache_ = std::make_unique<kvq::CacheBackend>(std::move(p), g, prerope, rope);
       cache_->set_layer_ropes(std::move(layer_ropes));
+      cache_->set_dot(dot);
     }
   }
   void reset() override {
@@ -104,7 +106,8 @@ void usage() {
   std::fprintf(stderr,
                "usage: kvq_perplexity [--model M] [--tokenizer T] [--text F] "
                "[--policy SPEC[;SPEC...]] [--json] [--max-seqs N] [--seq-len N] [--simulate]\n"
-               "  [--prerope] [--threads N] [--calibrate PATH] [--save-calibration FILE]\n"
+               "  [--prerope] [--threads N] [--dot exact|int8] [--calibrate PATH]\n"
+               "  [--save-calibration FILE]\n"
                "--model: a llama2.c checkpoint (with --tokenizer), a GGUF file (its own tokenizer;\n"
                "  lines without '\\r', no BOS unless the file says so, cut at 512 tokens), or\n"
                "  'smollm2' / 'gemma3' for the GGUFs fetched by ./kvq.sh model NAME\n"
@@ -113,6 +116,9 @@ void usage() {
                "  and values independently; simulated quantization, the reference table's rule)\n"
                "  instead of the streaming cache's shared blocks\n"
                "%s"
+               "--dot: the fused attention's dot products: exact fp32 (default) or the int8\n"
+               "  path (kvq::DotProduct::kInt8: int8 queries x int key codes, uint8 weights x\n"
+               "  4-bit value codes)\n"
                "--prerope: quantize keys before RoPE and apply RoPE after dequantization\n"
                "  (KVQuant), in the streaming cache or with --simulate\n"
                "defaults: %s/data/stories260K/{stories260K.bin,tok512.bin,tinystories-dev.txt}, "
@@ -138,6 +144,7 @@ int main(int argc, char** argv) {
   std::string model_path = base + "stories260K.bin", tok_path = base + "tok512.bin",
               text_path = base + "tinystories-dev.txt", policy_arg = "f32";
   bool json = false, simulate = false, prerope = false;
+  kvq::DotProduct dot = kvq::DotProduct::kExact;
   int threads = 0;
   kvq_tools::CalibrationArgs calib;
   kvq::eval::EvalOptions opt;
@@ -161,6 +168,17 @@ int main(int argc, char** argv) {
     else if (a == "--max-seqs") opt.max_sequences = parse_count(a, next());
     else if (a == "--seq-len") opt.max_seq_len = parse_count(a, next());
     else if (a == "--threads") threads = parse_count(a, next());
+    else if (a == "--dot") {
+      const std::string d = next();
+      if (d == "exact") {
+        dot = kvq::DotProduct::kExact;
+      } else if (d == "int8") {
+        dot = kvq::DotProduct::kInt8;
+      } else {
+        std::fprintf(stderr, "kvq_perplexity: --dot takes exact or int8, got '%s'\n", d.c_str());
+        return 2;
+      }
+    }
     else if (a == "-h" || a == "--help") {
       usage();
       return 0;
@@ -199,7 +217,10 @@ int main(int argc, char** argv) {
     for (std::size_t pi = 0; pi < policies.size(); ++pi) {
       const kvq::Policy& p = policies[pi];
       std::fprintf(stderr, "kvq_perplexity: %s ...\n", names[pi].c_str());
-      MeasuringBackend be(p, geo, simulate, prerope, model.rope(), model.layer_ropes());
+      KVQ_REQUIRE(!(simulate && dot != kvq::DotProduct::kExact), kInvalidArgument,
+                  "--dot int8 measures the fused attention of the streaming cache; --simulate "
+                  "has none");
+      MeasuringBackend be(p, geo, simulate, prerope, model.rope(), model.layer_ropes(), dot);
       kvq::eval::EvalOptions popt = opt;
       popt.reference_trace = &trace;
       const auto r = model.evaluate(be, lines, popt);
@@ -225,6 +246,7 @@ int main(int argc, char** argv) {
         {"cache", std::string(simulate ? "simulated (each group quantized when complete)"
                                        : "streaming KVCache") +
                       (prerope ? ", keys quantized before RoPE" : "")},
+        {"dot", dot == kvq::DotProduct::kInt8 ? "int8" : "exact"},
         {"reference_perplexity", kvq_tools::raw_json(kvq_tools::json_number(r0.test.perplexity()))},
         {"reference_tokens", kvq_tools::raw_json(std::to_string(r0.test.tokens))}};
     if (json) {

@@ -65,6 +65,7 @@ class CacheBackend final : public eval::KVBackend {
                 " must come right after appending its own token");
     AttentionOptions opt;
     opt.window = window > 0 ? window : 0;
+    opt.dot = dot_;
     attend_one(cache_, layer, q, n_heads, out, ws_, layer_rope(layer), opt);
     release(layer, pos, window);
   }
@@ -83,6 +84,8 @@ class CacheBackend final : public eval::KVBackend {
   /// window when attended may already be quantized then, so perplexity can differ slightly
   /// from the default mode (which the evaluation tools keep).
   void set_chunked(bool on) { chunked_ = on; }
+  /// The attention's dot products (AttentionOptions::dot; exact by default).
+  void set_dot(DotProduct d) { dot_ = d; }
   bool chunked() const override { return chunked_; }
 
   void append_chunk(int layer, int pos0, int n, const float* k_prerope, const float* k,
@@ -104,6 +107,7 @@ class CacheBackend final : public eval::KVBackend {
                 ") must be its newest");
     AttentionOptions opt;
     opt.window = window > 0 ? window : 0;
+    opt.dot = dot_;
     const int D = cache_.head_dim();
     kvq::attend(cache_, layer, KVView<const float>::nhd(q, n, n_heads, D),
                 KVView<float>::nhd(out, n, n_heads, D), true, ws_, layer_rope(layer), opt);
@@ -138,6 +142,7 @@ class CacheBackend final : public eval::KVBackend {
   KVCache cache_;
   bool prerope_;
   bool chunked_ = false;
+  DotProduct dot_ = DotProduct::kExact;
   bool release_window_ = true;
   RopeConfig rope_;
   std::vector<RopeConfig> layer_ropes_;

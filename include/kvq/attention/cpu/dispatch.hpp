@@ -7,6 +7,7 @@
 #include "kvq/attention/cpu/outliers.hpp"
 #include "kvq/attention/cpu/rope.hpp"
 #include "kvq/attention/cpu/tiles_all_heads.hpp"
+#include "kvq/attention/cpu/tiles_int8.hpp"
 #include "kvq/attention/cpu/tiles_per_head.hpp"
 
 namespace kvq {
@@ -178,6 +179,8 @@ inline void check_options(const AttentionOptions& opt, int64_t nh) {
               "attend: scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), got ", opt.scale);
   KVQ_REQUIRE(std::isfinite(opt.softcap) && opt.softcap >= 0.f, kInvalidArgument,
               "attend: softcap must be finite and >= 0 (0 = off), got ", opt.softcap);
+  KVQ_REQUIRE(opt.dot == DotProduct::kExact || opt.dot == DotProduct::kInt8, kInvalidArgument,
+              "attend: dot must be DotProduct::kExact or kInt8, got ", static_cast<int>(opt.dot));
   KVQ_REQUIRE(opt.mask_bits == nullptr || !opt.mask_fn, kInvalidArgument,
               "attend: give the custom mask as mask_bits or as mask_fn, not both");
   KVQ_REQUIRE(opt.mask_bits != nullptr || opt.mask_words == 0, kInvalidArgument,
@@ -206,6 +209,7 @@ inline Problem make_problem(int64_t T, int64_t H, int64_t D, KVView<const float>
   P.scale = opt.scale > 0.f ? opt.scale
                             : static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   P.softcap = opt.softcap;
+  P.int8 = opt.dot == DotProduct::kInt8;
   P.q_base = q_base;
   P.positions = opt.positions;
   P.mask_bits = opt.mask_bits;

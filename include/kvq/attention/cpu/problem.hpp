@@ -28,6 +28,7 @@
 #include "kvq/quant/rotated_quant.hpp"
 #include "kvq/simd/attention_avx2.hpp"
 #include "kvq/simd/attention_simd.hpp"
+#include "kvq/simd/int8_dot.hpp"
 #include "kvq/simd/uniform_cpu.hpp"
 
 namespace kvq {
@@ -35,6 +36,22 @@ namespace kvq {
 /// Runs body(0) .. body(n - 1), possibly in parallel, and returns when all are done (a
 /// caller's thread pool). Each index is one worker of the attention call.
 using ParallelFor = std::function<void(int64_t n, const std::function<void(int64_t)>& body)>;
+
+/// How the fused kernels multiply queries with keys and softmax weights with values.
+enum class DotProduct : uint8_t {
+  /// fp32 products from the codes (the default): every path matches the double-precision
+  /// oracle (reference/attention_ref.hpp) to 2e-5.
+  kExact,
+  /// Integer dot products where the build and the stream allow (attention/cpu/tiles_int8.hpp):
+  /// each query row quantized to int8 (one scale per row and tile, per-channel key scales folded
+  /// in first) times 4- or 8-bit int key codes; softmax weights (times the value scales)
+  /// quantized to uint8 per (row, channel group, 64-token tile) times 4-bit int value codes;
+  /// `vpdpbusd` (AVX-512 VNNI / AVX-VNNI) or `vpmaddubsw` (AVX2). Zero points, f32 rows (sinks,
+  /// residual window), and every other format (f16, fp8, FP4, nuq, Lloyd-Max, QJL, per-token
+  /// key groups narrower than the row, pre-RoPE keys) keep the exact kernels. Scalar builds and
+  /// head_dims that are not a multiple of 64 run exact. Error bounds: docs/attention.md.
+  kInt8,
+};
 
 /// How an attention call splits its work.
 struct AttentionOptions {
@@ -50,6 +67,8 @@ struct AttentionOptions {
   int64_t window = 0;
   /// Caller-supplied parallel-for (optional).
   ParallelFor parallel_for;
+  /// Exact fp32 products (default) or the int8 dot-product path (DotProduct::kInt8).
+  DotProduct dot = DotProduct::kExact;
 
   // ---- logits and masking (attention/cpu/mask.hpp applies them in every kernel path; the
   // oracle reference/attention_ref.hpp implements the same semantics in double).
@@ -159,6 +178,14 @@ struct Scratch {
   std::vector<float> zg;            // [rows, D / 16] value zero sums per group
   std::vector<int32_t> opos;        // [k, kTile] dense-and-sparse: channel of outlier j of token t
   std::vector<float> odv;           // [k, kTile] its exact value minus its dense value
+  // int8 dot products (tiles_int8.hpp)
+  std::vector<int8_t> q8;    // [H, rows, D] quantized queries (chunk layout)
+  std::vector<float> q8s;    // [H, rows] their scales
+  std::vector<float> q8a;    // [H, rows] their rounding sums (centered codes)
+  std::vector<int32_t> idot; // [H, rows, kTile] integer dot products
+  std::vector<uint8_t> w8;   // [H, rows, groups, kTile] quantized value weights
+  std::vector<float> w8s;    // [H, rows, groups] their scales
+  std::vector<uint8_t> xb;   // [kTile / 4, D / 64, 8, 32] token-interleaved value codes of a head
 };
 
 /// One work unit of a call (problem p: a sequence of a batch, 0 for a single call; a chunk of
@@ -239,6 +266,7 @@ struct Problem {
   int64_t window = 0;  // AttentionOptions::window
   float scale = 1.f;    // resolved AttentionOptions::scale
   float softcap = 0.f;  // AttentionOptions::softcap
+  bool int8 = false;    // AttentionOptions::dot == DotProduct::kInt8
   int64_t q_base = 0;   // global row of query 0 (batch): indexes positions and the masks
   const int64_t* positions = nullptr;  // AttentionOptions::positions (global rows)
   const uint64_t* mask_bits = nullptr;

@@ -522,6 +522,11 @@ void Unit<S>::score_all(int64_t n, int64_t hs, int64_t kspan, int64_t vspan) {
   const auto& pcs = sc_.pieces;
   const int64_t D = P_.D, R = R_, H = P_.H, HR = P_.nq * P_.G;
   const Stream& ks0 = ws_.ks[pcs.front().si];
+  if constexpr (L == Load::kU4 || L == Load::kU8)
+    if (int8_keys(ks0, L)) {
+      score_int8<L>(n, hs, kspan, vspan);
+      return;
+    }
   constexpr bool eo = avx2::eo_order(L);  // 4-bit codes: queries in even/odd order
   // head h at + h * HR * D; rotated keys (Lloyd-Max, /rot) read the rotated queries
   const float* qs = (eo ? (ks0.rot ? ws_.qrot_eo : ws_.qs_eo) : (ks0.rot ? ws_.qrot : ws_.qs)).data() +
@@ -622,6 +627,8 @@ void Unit<S>::accumulate_all(int64_t n, int64_t hs) {
   const auto& pcs = sc_.pieces;
   const int64_t D = P_.D, R = R_, H = P_.H;
   const Stream& vs0 = ws_.vs[pcs.front().si];
+  if constexpr (L == Load::kU4)
+    if (int8_values(vs0, L) && accumulate_int8<L>(n, hs)) return;
   acc_order(vs0.packed && avx2::eo_order(L));
   const float* p = sc_.s.data();
   float* ms = sc_.vms.data();

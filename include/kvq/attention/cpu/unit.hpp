@@ -26,6 +26,7 @@ class Unit {
     sc_.sm.assign(nr, SoftmaxState<float>::empty());
     sc_.acc.assign(nr * static_cast<std::size_t>(D), 0.f);
     acc_eo_ = false;
+    q8_kind_ = 0;
     if (P_.v_rot != nullptr) sc_.acc_rot.assign(nr * static_cast<std::size_t>(D), 0.f);
     if (P_.v_ctx != nullptr) {
       sc_.sacc.assign(nr * static_cast<std::size_t>(D), 0.f);
@@ -67,6 +68,15 @@ class Unit {
           sc_.zacc.resize(hr);
           sc_.qf.resize(hr * static_cast<std::size_t>(D));
           sc_.qz.resize(hr);
+          if (P_.int8) {
+            sc_.q8.resize(hr * static_cast<std::size_t>(D));
+            sc_.q8s.resize(hr);
+            sc_.q8a.resize(hr);
+            sc_.idot.resize(hr * kTile);
+            sc_.w8.resize(hr * ngmax * kTile);
+            sc_.w8s.resize(hr * ngmax);
+            sc_.xb.resize(static_cast<std::size_t>(kTile * D));
+          }
           const std::size_t mt = std::max(static_cast<std::size_t>(H) * ngmax * kTile,
                                           static_cast<std::size_t>(std::max(H, kTile) * D));
           for (auto* v : {&sc_.kms, &sc_.kmz, &sc_.vms, &sc_.vmz}) v->resize(mt);
@@ -218,6 +228,25 @@ class Unit {
 
   template <Load L>
   void accumulate_all(int64_t n, int64_t hs);
+
+  // ---- int8 dot products (DotProduct::kInt8; tiles_int8.hpp)
+
+  /// True when the int8 path scores these keys: 4- or 8-bit int codes (not nuq, FP4, Lloyd-Max
+  /// or QJL) with one scale per row or per-channel scales, head_dim a multiple of 64.
+  bool int8_keys(const Stream& st, Load L) const;
+  /// True when the int8 path accumulates these values: 4-bit int codes with one scale per row
+  /// or groups of 32 or a multiple of 64 channels, head_dim a multiple of 64.
+  bool int8_values(const Stream& st, Load L) const;
+  /// sc_.idot[(h * R + r) * kTile + t] = sc_.q8 row (h, r) . codes of token t, head h, for tile
+  /// tokens [t0, t1) of n (rows hs bytes apart per head); prefetches like dot_heads.
+  template <Load L>
+  void idot_tokens(int64_t t0, int64_t t1, int64_t n, int64_t hs, int64_t kspan, int64_t vspan);
+  template <Load L>
+  void score_int8(int64_t n, int64_t hs, int64_t kspan, int64_t vspan);
+  /// Returns false (nothing done) when a weight is negative (a page with a negative scale):
+  /// the caller runs the exact path then.
+  template <Load L>
+  bool accumulate_int8(int64_t n, int64_t hs);
 #endif
 
   void tile(const CacheSegment& seg, const Stream& ks, const Stream& vs, int64_t h, int64_t t0,
@@ -346,6 +375,10 @@ class Unit {
   Workspace& ws_;
   Scratch& sc_;
   int64_t i0_ = 0, R_ = 0;
+  /// What sc_.q8 holds: 0 nothing reusable, else 1 + rotated + 2 * (4-bit layout): the unit's
+  /// queries
+  /// (int8 keys with one scale per row; tiles_int8.hpp).
+  int q8_kind_ = 0;
   bool acc_eo_ = false;  // AVX2: the value accumulators are in even/odd channel order
 };
 
