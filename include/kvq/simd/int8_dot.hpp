@@ -8,8 +8,8 @@
 ///  - AVX-VNNI builds (Alder Lake and later without AVX-512): the VEX `vpdpbusd`;
 ///  - AVX2 builds: `vpmaddubsw` (pairs of u8 x s8 products summed into saturating int16) then
 ///    `vpmaddwd` by ones. No pair sum may exceed 32767 there: 4-bit codes (<= 15) times int8
-///    (<= 127) give 3810, weights (<= 255) times 4-bit codes 7650; 8-bit codes (<= 255) need
-///    the signed side within +-63 (kQMaxU8).
+///    (<= 127) give 3810, weights (<= 255) times 4-bit codes 7650; 8-bit key codes (255 x 127
+///    x 2) would overflow, so they keep the exact kernels on AVX2 (kU8Codes).
 /// 256-bit vectors on every ISA: one code chunk is 32 bytes (64 channels of 4-bit codes, 32 of
 /// 8-bit codes), so head_dim 64 (SmolLM2, Llama 3.2 1B) is one chunk, and on Zen 4 a 256-bit
 /// `vpdpbusd` issues twice per cycle (64 byte products per cycle, four times its fp32 FMAs).
@@ -31,17 +31,19 @@ namespace i8 {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr const char* kIsa = "avx512-vnni";
-constexpr int kQMaxU8 = 127;
+constexpr bool kU8Codes = true;
 inline __m256i dp4(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
 #elif defined(__AVXVNNI__)
 constexpr const char* kIsa = "avx-vnni";
-constexpr int kQMaxU8 = 127;
+constexpr bool kU8Codes = true;
 inline __m256i dp4(__m256i acc, __m256i u8, __m256i s8) {
   return _mm256_dpbusd_avx_epi32(acc, u8, s8);
 }
 #else
 constexpr const char* kIsa = "avx2";
-constexpr int kQMaxU8 = 63;
+/// 8-bit key codes are left to the exact kernels here (255 x 127 x 2 overflows int16; a
+/// narrower query would double the rounding error).
+constexpr bool kU8Codes = false;
 inline __m256i dp4(__m256i acc, __m256i u8, __m256i s8) {
   return _mm256_add_epi32(
       acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));

@@ -31,7 +31,7 @@ bool Unit<S>::int8_keys(const Stream& st, Load L) const {
   if (L == Load::kU4) {
     if (P_.D % 64 != 0) return false;
   } else if (L == Load::kU8) {
-    if (P_.D % 32 != 0) return false;
+    if (!i8::kU8Codes || P_.D % 32 != 0) return false;
   } else {
     return false;
   }
@@ -130,7 +130,7 @@ void Unit<S>::score_int8(int64_t n, int64_t hs, int64_t kspan, int64_t vspan) {
   const int64_t D = P_.D, R = R_, H = P_.H, HR = P_.nq * P_.G;
   const Stream& ks0 = ws_.ks[pcs.front().si];
   constexpr bool four = L == Load::kU4;
-  const int qmax = four ? 127 : i8::kQMaxU8;
+  constexpr int qmax = 127;
   const float* qs = (ks0.rot ? ws_.qrot : ws_.qs).data() + i0_ * P_.G * D;
   float* sc = sc_.s.data();
   float* ms = sc_.kms.data();
