@@ -391,7 +391,7 @@ int register_all() {
         ->Unit(benchmark::kMillisecond);
   }
   for (const char* p : {"f16", "k8v4", "kivi4"})
-    for (const auto& st : {std::pair<int64_t, int64_t>{16, 2048}, {4, 32768}, {1, 32768}})
+    for (const auto& st : {std::pair<int64_t, int64_t>{16, 2048}, {4, 32768}, {1, 32768}, {1, 2048}})
       for (int th : {1, 2})
         benchmark::RegisterBenchmark(
             ("BM_DecodeBatch/" + std::string(p) + "/" + std::to_string(st.first) + "x" +

@@ -229,6 +229,70 @@ int batch_table(std::map<std::string, std::vector<double>>& ips) {
   return missed;
 }
 
+/// BM_Decode/<policy>/<tokens>/fast (the int8 dot-product path) next to BM_Decode/<policy>/
+/// <tokens> (exact): both medians, their ratio, and the int8 path over the exact f16 decode of
+/// the same length. Targets (issue 30, one thread, 32768 tokens): kivi4 >= 2.5x f16, k8v4 and
+/// fp8 >= 2.0x f16. Returns targets missed.
+int fast_table(std::map<std::string, std::vector<double>>& ips) {
+  struct Row {
+    std::string policy, tokens;
+    double exact = -1, fast = -1, f16 = -1;
+  };
+  std::vector<Row> rows;
+  for (const auto& kv : ips) {
+    const std::string& n = kv.first;
+    const std::string suffix = "/fast";
+    if (n.rfind("BM_Decode/", 0) != 0 || n.size() <= suffix.size() ||
+        n.compare(n.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    const std::string base = n.substr(0, n.size() - suffix.size());  // BM_Decode/<p>/<t>
+    const auto slash = base.rfind('/');
+    Row r;
+    r.policy = base.substr(10, slash - 10);
+    r.tokens = base.substr(slash + 1);
+    r.fast = median(kv.second);
+    if (ips.count(base)) r.exact = median(ips[base]);
+    const std::string f16 = "BM_Decode/f16/" + r.tokens;
+    if (ips.count(f16)) r.f16 = median(ips[f16]);
+    rows.push_back(r);
+  }
+  if (rows.empty()) return 0;
+  std::printf("| int8 path | exact tokens/s | int8 tokens/s | int8 / exact | int8 vs exact f16 | "
+              "target |\n|---|---|---|---|---|---|\n");
+  int missed = 0;
+  auto num = [](double x) {
+    return x > 0 ? std::to_string(static_cast<long long>(x)) : std::string("?");
+  };
+  auto ratio = [](double a, double b) {
+    char buf[32];
+    if (a > 0 && b > 0) {
+      std::snprintf(buf, sizeof buf, "%.2fx", a / b);
+      return std::string(buf);
+    }
+    return std::string("?");
+  };
+  for (const Row& r : rows) {
+    double need = 0;
+    if (r.tokens == "32768") {
+      if (r.policy == "kivi4") need = 2.5;
+      if (r.policy == "k8v4" || r.policy == "fp8") need = 2.0;
+    }
+    std::string target;
+    if (need > 0) {
+      const bool ok = r.f16 > 0 && r.fast / r.f16 >= need;
+      if (!ok) ++missed;
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "vs f16 >= %.1fx %s", need, ok ? "ok" : "MISSED");
+      target = buf;
+    }
+    std::printf("| %s/%s | %s | %s | %s | %s | %s |\n", r.policy.c_str(), r.tokens.c_str(),
+                num(r.exact).c_str(), num(r.fast).c_str(), ratio(r.fast, r.exact).c_str(),
+                ratio(r.fast, r.f16).c_str(), target.c_str());
+  }
+  std::printf("\n");
+  return missed;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -284,6 +348,7 @@ int main(int argc, char** argv) {
     print_context(doc);
     int missed = decode_table(bps, ips, kvb, fpt);
     missed += batch_table(ips);
+    missed += fast_table(ips);
     if (!bps.count("BM_Memcpy")) {
       // a decode-only run (BM_Decode + BM_StreamRead) has its table above; the other targets
       // are ratios to BM_Memcpy

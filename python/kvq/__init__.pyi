@@ -268,7 +268,8 @@ class KVCache:
         scale (0: 1/sqrt(head_dim)), softcap (0: off), window (0: none), positions (int64
         [n_q]: each query's position), mask (bool [n_q, >= tokens]: True where a query sees a
         position), sinks (float32 [n_heads] sink logits), threads, split_tokens (flash-decoding
-        chunk, 0: 4096). Releases the GIL."""
+        chunk, 0: by length, T / 8 rounded up to a multiple of 256 within
+        [256, 4096]). Releases the GIL."""
     def truncate(self, n: int, layer: Optional[int] = None) -> None:
         """Keeps tokens [0, n) of every layer (or of `layer`)."""
     def truncate_is_exact(self, layer: int, n: int) -> bool: ...

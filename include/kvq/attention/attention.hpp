@@ -13,7 +13,8 @@
 /// Precision: fp32 throughout (online softmax per 64-token tile, fp32 exp); the double
 /// precision oracle is reference/attention_ref.hpp and the tests hold the two within 2e-5
 /// relative output error for every format. Long contexts are split into chunks of
-/// AttentionOptions::split_tokens (default 4096) merged in a fixed order: the result depends
+/// AttentionOptions::split_tokens (default: T / 8 rounded up to a multiple of 256, within
+/// [256, 4096]) merged in a fixed order: the result depends
 /// on the split, never on the number of threads.
 ///
 /// Queries and outputs may also be f16 or bf16 (the overloads at the end of this file, for
@@ -176,7 +177,7 @@ struct BatchAttentionWorkspace {
 /// tokens - n_q + i unless opt.positions; causal; options indexed by the global query row). A
 /// sequence with no tokens yields zeros (no error); a sequence with no queries is skipped.
 ///
-/// Work split: every sequence is cut into token chunks of opt.split_tokens (0: 4096) x blocks
+/// Work split: every sequence is cut into token chunks of opt.split_tokens (0: by length, 256-4096) x blocks
 /// of 16 queries; the units of all sequences are run largest first on opt.threads workers
 /// (opt.parallel_for or std::threads) and merged per row in chunk order, so the output is
 /// bit-identical for any thread count, and each sequence's rows equal attend_pages over it.

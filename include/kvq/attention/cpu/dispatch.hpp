@@ -219,7 +219,7 @@ inline Problem make_problem(int64_t T, int64_t H, int64_t D, KVView<const float>
   // A split at least as long as the sequence is one chunk; clamping keeps (T + split - 1) from
   // overflowing when a caller writes "never split" as a huge value (INT64_MAX).
   P.split = opt.split_tokens > 0 ? std::min<int64_t>(opt.split_tokens, std::max<int64_t>(T, 1))
-                                 : kDefaultSplit;
+                                 : default_split(T);
   P.nchunks = (T + P.split - 1) / P.split;
   P.nqb = (P.nq + kQueryBlock - 1) / kQueryBlock;
   return P;

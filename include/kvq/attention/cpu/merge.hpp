@@ -7,7 +7,8 @@
 ///
 /// Split rule (independent of the thread count): a problem of T tokens and n_q queries is cut
 /// into ceil(T / split) token chunks x ceil(n_q / kQueryBlock) query blocks, split =
-/// AttentionOptions::split_tokens (0: kDefaultSplit); every unit covers all kv heads. Units
+/// AttentionOptions::split_tokens (0: default_split(T), 256-4096 tokens by length); every unit
+/// covers all kv heads. Units
 /// are ordered by cost (visible tokens x query rows) descending, ties by (problem, chunk,
 /// query block), and handed out to the workers one at a time from a shared counter. Each
 /// unit's result is computed by the same code whichever worker runs it and merged in chunk

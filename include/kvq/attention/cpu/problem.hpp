@@ -58,8 +58,9 @@ struct AttentionOptions {
   /// Workers (1 = the calling thread only). With no parallel_for, threads - 1 std::threads are
   /// started per call.
   int threads = 1;
-  /// Tokens per independently processed chunk (flash-decoding split); 0 = 4096. Results depend
-  /// on the split (floating-point order), never on `threads`.
+  /// Tokens per independently processed chunk (flash-decoding split); 0 = by length: T / 8
+  /// rounded up to a multiple of 256, within [256, 4096] (kernels::attn::default_split).
+  /// Results depend on the split (floating-point order), never on `threads`.
   int64_t split_tokens = 0;
   /// Sliding window (0 = none): the query at position p sees only the tokens at positions
   /// (p - window, p] (with causal; without, the window ends at the last token). Gemma's local
@@ -107,7 +108,18 @@ namespace kernels {
 namespace attn {
 
 constexpr int64_t kTile = 64;            ///< tokens per softmax tile
-constexpr int64_t kDefaultSplit = 4096;  ///< tokens per chunk when split_tokens == 0
+constexpr int64_t kDefaultSplit = 4096;  ///< the longest chunk when split_tokens == 0
+constexpr int64_t kMinDefaultSplit = 256;  ///< the shortest chunk when split_tokens == 0
+
+/// Tokens per chunk when split_tokens == 0, for a sequence of T tokens: T / 8 rounded up to a
+/// multiple of 256, within [256, 4096]. A 1000-token sequence is 4 chunks, 8192 tokens 8 chunks
+/// of 1024, 32768 tokens 8 of 4096: enough units for a few workers even for one short
+/// sequence, each long enough (>= 256 tokens x all kv heads) that its setup and merge stay
+/// small. It depends on T only, never on the thread count.
+inline int64_t default_split(int64_t T) {
+  const int64_t s = ((T + 7) / 8 + kMinDefaultSplit - 1) / kMinDefaultSplit * kMinDefaultSplit;
+  return std::min(kDefaultSplit, std::max(kMinDefaultSplit, s));
+}
 constexpr int64_t kQueryBlock = 16;      ///< queries per work unit (prefill)
 
 enum class Scale : uint8_t {
