@@ -146,7 +146,7 @@ def attend_batch(caches: Sequence[KVCache], layer: int, q: ArrayLike,
                  scale: float = 0.0, softcap: float = 0.0, window: int = 0,
                  positions: Optional[ArrayLike] = None, mask: Optional[ArrayLike] = None,
                  sinks: Optional[ArrayLike] = None, threads: int = 1, split_tokens: int = 0,
-                 return_lse: bool = False) -> Any:
+                 return_lse: bool = False, dot: str = "exact") -> Any:
     """Attention for a batch of sequences, one cache each, in one call (kvq::attend_batch over
     kvq::CacheBatch): q is [sum(queries), n_heads, head_dim], sequence s owning queries[s]
     rows (default one each: a decode step). Every sequence's rows equal caches[s].attend(...)
@@ -260,7 +260,8 @@ class KVCache:
     def attend(self, layer: int, q: ArrayLike, causal: bool = True, *, scale: float = 0.0,
                softcap: float = 0.0, window: int = 0, positions: Optional[ArrayLike] = None,
                mask: Optional[ArrayLike] = None, sinks: Optional[ArrayLike] = None,
-               threads: int = 1, split_tokens: int = 0, return_lse: bool = False) -> Any:
+               threads: int = 1, split_tokens: int = 0, return_lse: bool = False,
+               dot: str = "exact") -> Any:
         """Attention of queries q ([n_q, n_heads, head_dim], the newest n_q positions; n_heads a
         multiple of kv_heads) over the packed cache, computed on the packed codes. Returns
         [n_q, n_heads, head_dim] float32, or (out, lse) with return_lse (lse: [n_q, n_heads]
@@ -269,7 +270,8 @@ class KVCache:
         [n_q]: each query's position), mask (bool [n_q, >= tokens]: True where a query sees a
         position), sinks (float32 [n_heads] sink logits), threads, split_tokens (flash-decoding
         chunk, 0: by length, T / 8 rounded up to a multiple of 256 within
-        [256, 4096]). Releases the GIL."""
+        [256, 4096]), dot ('exact', or 'int8': the int8 dot-product path where the cache's
+        codes allow it). Releases the GIL."""
     def truncate(self, n: int, layer: Optional[int] = None) -> None:
         """Keeps tokens [0, n) of every layer (or of `layer`)."""
     def truncate_is_exact(self, layer: int, n: int) -> bool: ...

@@ -409,8 +409,11 @@ PyAttn attention_options(const char* fn, int64_t rows, int64_t n_heads, int64_t 
                          const std::optional<PosArray>& positions,
                          const std::optional<MaskArray>& mask,
                          const std::optional<SinkArray>& sinks, int threads,
-                         int64_t split_tokens, bool return_lse) {
+                         int64_t split_tokens, bool return_lse, const std::string& dot) {
   PyAttn a;
+  KVQ_REQUIRE(dot == "exact" || dot == "int8", kInvalidArgument, fn,
+              ": dot must be 'exact' or 'int8', got '", dot, "'");
+  a.opt.dot = dot == "int8" ? kvq::DotProduct::kInt8 : kvq::DotProduct::kExact;
   KVQ_REQUIRE(threads >= 1, kInvalidArgument, fn, ": threads must be >= 1, got ", threads);
   KVQ_REQUIRE(window >= 0, kInvalidArgument, fn, ": window must be >= 0, got ", window);
   KVQ_REQUIRE(split_tokens >= 0, kInvalidArgument, fn, ": split_tokens must be >= 0, got ",
@@ -646,7 +649,8 @@ NB_MODULE(KVQ_PY_MODULE, m) {
       [](const std::vector<const PyCache*>& caches, int layer, nb::handle q,
          std::optional<std::vector<int64_t>> queries, bool causal, double scale, double softcap,
          int64_t window, std::optional<PosArray> positions, std::optional<MaskArray> mask,
-         std::optional<SinkArray> sinks, int threads, int64_t split_tokens, bool return_lse) {
+         std::optional<SinkArray> sinks, int threads, int64_t split_tokens, bool return_lse,
+         const std::string& dot) {
         const char* fn = "kvq.attend_batch";
         const InTensor qt = as_tensor(q, fn, "q");
         const std::size_t B = caches.size();
@@ -674,7 +678,8 @@ NB_MODULE(KVQ_PY_MODULE, m) {
           max_tokens = std::max(max_tokens, c->cache.tokens(layer));
         }
         PyAttn a = attention_options(fn, rows, qt.shape.heads, max_tokens, scale, softcap, window,
-                                     positions, mask, sinks, threads, split_tokens, return_lse);
+                                     positions, mask, sinks, threads, split_tokens, return_lse,
+                                     dot);
         OutBuffer o = new_array(shape_vec(qt.shape), nb::dtype<float>());
         {
           nb::gil_scoped_release nogil;
@@ -703,7 +708,7 @@ NB_MODULE(KVQ_PY_MODULE, m) {
       nb::kw_only(), "scale"_a = 0.0, "softcap"_a = 0.0, "window"_a = 0,
       nb::arg("positions").none() = nb::none(), nb::arg("mask").none() = nb::none(),
       nb::arg("sinks").none() = nb::none(), "threads"_a = 1, "split_tokens"_a = 0,
-      "return_lse"_a = false,
+      "return_lse"_a = false, "dot"_a = "exact",
       "Batched attention over several caches (one sequence each): q [sum(queries), n_heads, "
       "head_dim]; queries[s] rows per cache (default one: decode). Same options as "
       "KVCache.attend, indexed by the global query row.");
@@ -1086,7 +1091,8 @@ NB_MODULE(KVQ_PY_MODULE, m) {
           "attend",
           [](const PyCache& c, int layer, nb::handle q, bool causal, double scale, double softcap,
              int64_t window, std::optional<PosArray> positions, std::optional<MaskArray> mask,
-             std::optional<SinkArray> sinks, int threads, int64_t split_tokens, bool return_lse) {
+             std::optional<SinkArray> sinks, int threads, int64_t split_tokens, bool return_lse,
+             const std::string& dot) {
             const InTensor qt = as_tensor(q, "KVCache.attend", "q");
             int64_t T = 0;
             {
@@ -1098,7 +1104,7 @@ NB_MODULE(KVQ_PY_MODULE, m) {
             }
             PyAttn a = attention_options("KVCache.attend", qt.shape.tokens, qt.shape.heads, T,
                                          scale, softcap, window, positions, mask, sinks, threads,
-                                         split_tokens, return_lse);
+                                         split_tokens, return_lse, dot);
             OutBuffer o = new_array(shape_vec(qt.shape), nb::dtype<float>());
             {
               nb::gil_scoped_release nogil;
@@ -1116,7 +1122,7 @@ NB_MODULE(KVQ_PY_MODULE, m) {
           "layer"_a, "q"_a, "causal"_a = true, nb::kw_only(), "scale"_a = 0.0,
           "softcap"_a = 0.0, "window"_a = 0, nb::arg("positions").none() = nb::none(),
           nb::arg("mask").none() = nb::none(), nb::arg("sinks").none() = nb::none(),
-          "threads"_a = 1, "split_tokens"_a = 0, "return_lse"_a = false)
+          "threads"_a = 1, "split_tokens"_a = 0, "return_lse"_a = false, "dot"_a = "exact")
       .def(
           "truncate",
           [](PyCache& c, int64_t n, std::optional<int> layer) {

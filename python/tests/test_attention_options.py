@@ -102,6 +102,29 @@ def test_positions_and_tree_mask() -> None:
     np.testing.assert_allclose(nc, _ref(q, k, v, causal=False)[0], rtol=1e-4, atol=2e-5)
 
 
+def test_int8_dot_product_path() -> None:
+    """dot='int8' stays near the float64 reference (int8 queries, uint8 weights: about 1% of a
+    row here, against 1e-4 for the exact path) and equals the exact path where no int codes are
+    read (f16, turbo4); attend_batch takes it too; a bad value is refused by name."""
+    q = kv_data(3, QH, D, seed=9, outliers=False)
+    for spec in ("kivi4", "k8v4"):
+        c = _cache(spec, 150, seed=3)
+        k, v = c.read(0)
+        want, _ = _ref(q, k, v)
+        got = c.attend(0, q, dot="int8")
+        err = np.abs(got - want).max(axis=-1) / np.abs(want).max(axis=-1)
+        assert err.max() < 0.2, (spec, err.max())
+        if kvq.simd_level() != "scalar":  # scalar builds have no int8 path (exact there)
+            assert not np.array_equal(got, c.attend(0, q)), spec
+        assert np.array_equal(kvq.attend_batch([c], 0, q[:1], dot="int8"),
+                              c.attend(0, q[:1], dot="int8"))
+    for spec in ("f16", "turbo4"):
+        c = _cache(spec, 150, seed=3)
+        assert np.array_equal(c.attend(0, q, dot="int8"), c.attend(0, q))
+    with pytest.raises(kvq.Error, match="dot must be 'exact' or 'int8'"):
+        _cache("kivi4", 40, seed=5).attend(0, q, dot="int4")
+
+
 def test_attend_option_errors_name_the_problem() -> None:
     c = _cache("k8v4", 40, seed=5)
     q = kv_data(2, QH, D, seed=11, outliers=False)

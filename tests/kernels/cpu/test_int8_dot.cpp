@@ -145,7 +145,9 @@ TEST(Int8Dot, MatchesTheOracleWithinTheStatedBound) {
         }
   std::printf("int8 path: %d cases, worst row error %.3g, worst rms %.3g\n", checked, worst_row,
               worst_rms);
-  if (int8_build()) EXPECT_GT(worst_row, 1e-4) << "the int8 path did not run";
+  if (int8_build()) {
+    EXPECT_GT(worst_row, 1e-4) << "the int8 path did not run";
+  }
 }
 
 // ---- formats the path does not cover run the exact kernels, bit for bit; so does a scalar build
