@@ -71,27 +71,48 @@ inline void store8_i8(__m256i v, int8_t* out) {
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(w, w));
 }
 
-/// Quantizes x[0, D) (D a multiple of 64 for 4-bit codes, of 32 for 8-bit codes) to int8 with
-/// one scale: q = round-to-nearest-even(x / s), s = max|x| / qmax (x all zero: q = 0, s = 0).
-/// Writes the codes in the chunk layout of the code width: 4-bit codes per 64-channel chunk c
-/// at out + 64 c, even channels first (out[64 c + i] = q[64 c + 2 i], out[64 c + 32 + i] =
-/// q[64 c + 2 i + 1]); 8-bit codes in natural order. Returns s.
-inline float quantize_row(const float* x, int64_t D, bool four_bit, int qmax, int8_t* out) {
+/// max|x| and sum(x) over x[0, D), D a multiple of 8.
+inline void row_stats(const float* x, int64_t D, float& amax, float& sum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 m = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + d)));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float amax = _mm_cvtss_f32(m4);
+  __m256 m = _mm256_setzero_ps(), a = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 v = _mm256_loadu_ps(x + d);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v));
+    a = _mm256_add_ps(a, v);
+  }
+  alignas(32) float mv[8], av[8];
+  _mm256_store_ps(mv, m);
+  _mm256_store_ps(av, a);
+  amax = 0.f;
+  sum = 0.f;
+  for (int i = 0; i < 8; ++i) {
+    amax = std::max(amax, mv[i]);
+    sum += av[i];
+  }
+}
+
+/// Quantizes x[0, D) (D a multiple of 64 for 4-bit codes, of 32 for 8-bit codes) to int8 with
+/// one scale, given amax = max|x| and sumx = sum(x) (row_stats): q = round-to-nearest-even(x /
+/// s), s = amax / 127 (amax zero or not finite: q = 0, s = 0). Writes the codes in the chunk
+/// layout of the code width: 4-bit codes per 64-channel chunk c at out + 64 c, even channels
+/// first (out[64 c + i] = q[64 c + 2 i], out[64 c + 32 + i] = q[64 c + 2 i + 1]); 8-bit codes
+/// in natural order. Returns s; *rsum = sum_d (s q_d - x_d), the rounding errors' sum (what
+/// centered codes subtract).
+inline float quantize_row(const float* x, int64_t D, bool four_bit, float amax, float sumx,
+                          int8_t* out, float* rsum) {
+  constexpr int qmax = 127;
   if (!(amax > 0.f) || !(amax < std::numeric_limits<float>::infinity())) {
     std::memset(out, 0, static_cast<std::size_t>(D));
+    *rsum = -sumx;
     return 0.f;
   }
   const __m256 inv = _mm256_set1_ps(static_cast<float>(qmax) / amax);
   const __m256 hi = _mm256_set1_ps(static_cast<float>(qmax)), lo = _mm256_set1_ps(-static_cast<float>(qmax));
+  __m256i qs = _mm256_setzero_si256();
   auto round8 = [&](__m256 v) {
-    return _mm256_cvtps_epi32(_mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_mul_ps(v, inv))));
+    const __m256i q = _mm256_cvtps_epi32(_mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_mul_ps(v, inv))));
+    qs = _mm256_add_epi32(qs, q);
+    return q;
   };
   if (four_bit) {
     for (int64_t b = 0; b < D; b += 16) {  // 16 channels: 8 evens, 8 odds
@@ -107,28 +128,13 @@ inline float quantize_row(const float* x, int64_t D, bool four_bit, int qmax, in
   } else {
     for (int64_t d = 0; d < D; d += 8) store8_i8(round8(_mm256_loadu_ps(x + d)), out + d);
   }
-  return amax / static_cast<float>(qmax);
-}
-
-/// sum_d (s * q[d] - x[d]) for codes q in quantize_row's layout (any order: a sum).
-inline float rounding_sum(const float* x, const int8_t* q, float s, int64_t D) {
-  __m256i qs = _mm256_setzero_si256();
-  __m256 xs = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) {
-    qs = _mm256_add_epi32(qs, _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + d))));
-    xs = _mm256_add_ps(xs, _mm256_loadu_ps(x + d));
-  }
-  alignas(32) int32_t qi[8];
-  alignas(32) float xf[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(qi), qs);
-  _mm256_store_ps(xf, xs);
+  alignas(32) int32_t qv[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(qv), qs);
   int64_t qt = 0;
-  double xt = 0;
-  for (int i = 0; i < 8; ++i) {
-    qt += qi[i];
-    xt += xf[i];
-  }
-  return static_cast<float>(static_cast<double>(s) * static_cast<double>(qt) - xt);
+  for (int i = 0; i < 8; ++i) qt += qv[i];
+  const float s = amax / static_cast<float>(qmax);
+  *rsum = static_cast<float>(static_cast<double>(s) * static_cast<double>(qt) - static_cast<double>(sumx));
+  return s;
 }
 
 /// Token-interleaved 4-bit codes of four rows for value accumulation: from each row's 32-byte

@@ -130,7 +130,6 @@ void Unit<S>::score_int8(int64_t n, int64_t hs, int64_t kspan, int64_t vspan) {
   const int64_t D = P_.D, R = R_, H = P_.H, HR = P_.nq * P_.G;
   const Stream& ks0 = ws_.ks[pcs.front().si];
   constexpr bool four = L == Load::kU4;
-  constexpr int qmax = 127;
   const float* qs = (ks0.rot ? ws_.qrot : ws_.qs).data() + i0_ * P_.G * D;
   float* sc = sc_.s.data();
   float* ms = sc_.kms.data();
@@ -150,8 +149,10 @@ void Unit<S>::score_int8(int64_t n, int64_t hs, int64_t kspan, int64_t vspan) {
       for (int64_t h = 0; h < H; ++h)
         for (int64_t r = 0; r < R; ++r) {
           const float* x = qs + h * HR * D + r * D;
-          q8s[h * R + r] = i8::quantize_row(x, D, four, qmax, q8 + (h * R + r) * D);
-          q8a[h * R + r] = i8::rounding_sum(x, q8 + (h * R + r) * D, q8s[h * R + r], D);
+          float amax, sum;
+          i8::row_stats(x, D, amax, sum);
+          q8s[h * R + r] =
+              i8::quantize_row(x, D, four, amax, sum, q8 + (h * R + r) * D, &q8a[h * R + r]);
         }
       q8_kind_ = kind;
     }
@@ -179,14 +180,22 @@ void Unit<S>::score_int8(int64_t n, int64_t hs, int64_t kspan, int64_t vspan) {
       meta_channel(ws_.ks[p.si], p.loc0, h, ms, mz);
       for (int64_t r = 0; r < R; ++r) {
         const float* qr = qs + h * HR * D + r * D;
-        __m256 z = _mm256_setzero_ps();
+        // q' = q * s folded, with its max|.| and sum in the same pass
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 z = _mm256_setzero_ps(), mx = _mm256_setzero_ps(), sm = _mm256_setzero_ps();
         for (int64_t d = 0; d < D; d += 8) {
           const __m256 q = _mm256_loadu_ps(qr + d);
-          _mm256_storeu_ps(f + d, _mm256_mul_ps(q, _mm256_loadu_ps(ms + d)));
+          const __m256 v = _mm256_mul_ps(q, _mm256_loadu_ps(ms + d));
+          _mm256_storeu_ps(f + d, v);
+          mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v));
+          sm = _mm256_add_ps(sm, v);
           z = _mm256_fmadd_ps(q, _mm256_loadu_ps(mz + d), z);
         }
-        q8s[h * R + r] = i8::quantize_row(f, D, four, qmax, q8 + (h * R + r) * D);
-        q8a[h * R + r] = i8::rounding_sum(f, q8 + (h * R + r) * D, q8s[h * R + r], D);
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        q8s[h * R + r] = i8::quantize_row(f, D, four, _mm_cvtss_f32(m4), Simd256::reduce(sm),
+                                          q8 + (h * R + r) * D, &q8a[h * R + r]);
         qz[h * R + r] = Simd256::reduce(z);
       }
     }
@@ -218,6 +227,7 @@ bool Unit<S>::accumulate_int8(int64_t n, int64_t hs) {
   uint8_t* w8 = sc_.w8.data();
   float* w8s = sc_.w8s.data();
   float* zg = sc_.zg.data();
+  float* wbuf = sc_.wg.data();  // w' per (row, group, token) between the two passes
   // ---- weights w' = p * s per (row, group), rounded to uint8 per tile; zero sums exact
   for (int64_t hr = 0; hr < H * R; ++hr) {
     const int64_t h = hr / R;
@@ -225,12 +235,16 @@ bool Unit<S>::accumulate_int8(int64_t n, int64_t hs) {
     for (int64_t g = 0; g < ng; ++g) {
       const float* gs = ms + (h * ng + g) * kTile;
       const float* gz = mz + (h * ng + g) * kTile;
+      float* wt = wbuf + (hr * ng + g) * kTile;
       V mx = _mm256_setzero_ps(), mn = _mm256_setzero_ps(), zs = _mm256_setzero_ps();
+      V wf = _mm256_setzero_ps();
       for (int64_t t = 0; t < n8; t += 8) {
         const V pv = _mm256_loadu_ps(pr + t);
         const V w = _mm256_mul_ps(pv, _mm256_loadu_ps(gs + t));
+        _mm256_storeu_ps(wt + t, w);
         mx = _mm256_max_ps(mx, w);
         mn = _mm256_min_ps(mn, w);
+        wf = _mm256_add_ps(wf, w);
         zs = _mm256_fmadd_ps(pv, _mm256_loadu_ps(gz + t), zs);
       }
       alignas(32) float m8[8], n8v[8];
@@ -244,20 +258,16 @@ bool Unit<S>::accumulate_int8(int64_t n, int64_t hs) {
       if (amin < 0.f || !(amax < std::numeric_limits<float>::infinity())) return false;
       const V inv = _mm256_set1_ps(amax > 0.f ? 255.f / amax : 0.f);
       uint8_t* out = w8 + (hr * ng + g) * kTile;
+      __m256i wsum = _mm256_setzero_si256();
       for (int64_t t = 0; t < n8; t += 8) {
-        const V w = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(pr + t), _mm256_loadu_ps(gs + t)), inv);
+        const V w = _mm256_mul_ps(_mm256_loadu_ps(wt + t), inv);
         const __m256i wi = _mm256_cvtps_epi32(_mm256_min_ps(w, _mm256_set1_ps(255.f)));
+        wsum = _mm256_add_epi32(wsum, wi);
         const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(wi), _mm256_extracti128_si256(wi, 1));
         _mm_storel_epi64(reinterpret_cast<__m128i*>(out + t), _mm_packus_epi16(w16, w16));
       }
       // centered codes (as for keys): sum_t w'_t c_t = sw sum_t w8_t c_t - 7.5 (sw sum w8 -
       // sum w') + sum_t e_t (c_t - 7.5); the middle term joins the zero sums
-      __m256i wsum = _mm256_setzero_si256();
-      V wf = _mm256_setzero_ps();
-      for (int64_t t = 0; t < n8; t += 8) {
-        wsum = _mm256_add_epi32(wsum, _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(out + t))));
-        wf = _mm256_fmadd_ps(_mm256_loadu_ps(pr + t), _mm256_loadu_ps(gs + t), wf);
-      }
       const float sw = amax / 255.f;
       const float a = sw * static_cast<float>(Simd256::reduce(_mm256_cvtepi32_ps(wsum))) - Simd256::reduce(wf);
       w8s[hr * ng + g] = sw;
