@@ -189,6 +189,9 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    KVQ_REQUIRE(!(simulate && dot != kvq::DotProduct::kExact), kInvalidArgument,
+                "--dot int8 measures the fused attention of the streaming cache; --simulate "
+                "has none");
     auto policies = kvq::parse_policies(policy_arg);
     kvq_tools::EvalModel model(model_path, tok_path);
     if (threads > 0) model.set_threads(threads);
@@ -217,9 +220,6 @@ int main(int argc, char** argv) {
     for (std::size_t pi = 0; pi < policies.size(); ++pi) {
       const kvq::Policy& p = policies[pi];
       std::fprintf(stderr, "kvq_perplexity: %s ...\n", names[pi].c_str());
-      KVQ_REQUIRE(!(simulate && dot != kvq::DotProduct::kExact), kInvalidArgument,
-                  "--dot int8 measures the fused attention of the streaming cache; --simulate "
-                  "has none");
       MeasuringBackend be(p, geo, simulate, prerope, model.rope(), model.layer_ropes(), dot);
       kvq::eval::EvalOptions popt = opt;
       popt.reference_trace = &trace;

@@ -30,17 +30,14 @@ namespace attn {
 namespace i8 {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr const char* kIsa = "avx512-vnni";
 constexpr bool kU8Codes = true;
 inline __m256i dp4(__m256i acc, __m256i u8, __m256i s8) { return _mm256_dpbusd_epi32(acc, u8, s8); }
 #elif defined(__AVXVNNI__)
-constexpr const char* kIsa = "avx-vnni";
 constexpr bool kU8Codes = true;
 inline __m256i dp4(__m256i acc, __m256i u8, __m256i s8) {
   return _mm256_dpbusd_avx_epi32(acc, u8, s8);
 }
 #else
-constexpr const char* kIsa = "avx2";
 /// 8-bit key codes are left to the exact kernels here (255 x 127 x 2 overflows int16; a
 /// narrower query would double the rounding error).
 constexpr bool kU8Codes = false;

@@ -330,7 +330,6 @@ bool Unit<S>::accumulate_int8(int64_t n, int64_t hs) {
       }
     }
   }
-  (void)n8;
   return true;
 }
 #endif
