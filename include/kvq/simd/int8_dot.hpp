@@ -47,12 +47,6 @@ inline __m256i dp4(__m256i acc, __m256i u8, __m256i s8) {
 }
 #endif
 
-/// The four sums of a[0..3]'s eight lanes, in order.
-inline __m128i hsum4(__m256i a0, __m256i a1, __m256i a2, __m256i a3) {
-  const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(a0, a1), _mm256_hadd_epi32(a2, a3));
-  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-}
-
 /// Low and high nibbles of 32 packed 4-bit code bytes (byte b holds channels 2b and 2b + 1 of
 /// its 64-channel chunk): lo = the even channels', hi = the odd channels' codes, one per byte.
 inline void nibbles(const uint8_t* p, __m256i& lo, __m256i& hi) {

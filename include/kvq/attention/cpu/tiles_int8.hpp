@@ -16,6 +16,8 @@
 /// tile); acc_d += sw * sum_t w8_t c_{t,d} over the tile's tokens, zero points as the exact
 /// sum_t p_t z_{t,g} per row and group. Value codes of four tokens are interleaved per byte
 /// (i8::interleave4) once per head and tile, then every query row of the head reads them.
+/// Key codes of eight tokens are transposed to 4-byte words (i8::transpose8x32) so that the int32
+/// lanes of one accumulator are eight tokens' dot products (no horizontal sums).
 /// Integer sums cannot overflow: at most 64 tokens x 255 x 15 or 128 channels x 255 x 127.
 #include "kvq/attention/cpu/unit.hpp"
 
@@ -48,37 +50,70 @@ bool Unit<S>::int8_values(const Stream& st, Load L) const {
 }
 
 namespace i8 {
-/// out[r * kTile + u] = q[r] . codes of rows p[u] (u < nt), RB query rows (stride D) in
-/// quantize_row's chunk layout, nb code bytes per row.
+/// The 8x8 transpose of 32-bit words: y[j] lane u = word j of x[u] (bytes 4j..4j+3 of row u's
+/// 32-byte chunk).
+KVQ_AVX2_INLINE void transpose8x32(const __m256i* x, __m256i* y) {
+  __m256i t[8], s[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m256i* a = t + 4 * i;  // rows 4i .. 4i + 3
+    s[4 * i + 0] = _mm256_unpacklo_epi64(a[0], a[2]);  // words 0 | 4
+    s[4 * i + 1] = _mm256_unpackhi_epi64(a[0], a[2]);  // words 1 | 5
+    s[4 * i + 2] = _mm256_unpacklo_epi64(a[1], a[3]);  // words 2 | 6
+    s[4 * i + 3] = _mm256_unpackhi_epi64(a[1], a[3]);  // words 3 | 7
+  }
+  for (int j = 0; j < 4; ++j) {
+    y[j] = _mm256_permute2x128_si256(s[j], s[4 + j], 0x20);
+    y[j + 4] = _mm256_permute2x128_si256(s[j], s[4 + j], 0x31);
+  }
+}
+
+/// out[r * stride + u] = q[r] . codes of row p[u], u < nt (nt <= 8; rows past nt repeat a valid
+/// one and are not stored), RB query rows (stride D) in quantize_row's chunk layout, nb code
+/// bytes per row. Eight tokens per int32 lane set: each 32-byte chunk of the eight rows is
+/// transposed to words (4 codes of one token per lane), and a broadcast 4-byte piece of the
+/// query multiplies it, so the lanes end as the eight tokens' sums (no horizontal reduction).
 template <Load L, int RB>
-KVQ_AVX2_INLINE void idot_block(const uint8_t* const* p, int64_t nb, const int8_t* q, int64_t D,
-                                int64_t nt, int32_t* out) {
-  __m256i a[RB][4];
-  for (int r = 0; r < RB; ++r)
-    for (int u = 0; u < 4; ++u) a[r][u] = _mm256_setzero_si256();
+KVQ_AVX2_INLINE void idot8(const uint8_t* const* p, int64_t nb, const int8_t* q, int64_t D,
+                           int64_t nt, int32_t* out, int64_t stride) {
+  __m256i a[RB];
+  for (int r = 0; r < RB; ++r) a[r] = _mm256_setzero_si256();
+  const __m256i m = _mm256_set1_epi8(15);
   for (int64_t c = 0; c < nb; c += 32) {
-    if constexpr (L == Load::kU4) {
-      __m256i lo[4], hi[4];
-      for (int u = 0; u < 4; ++u) nibbles(p[u] + c, lo[u], hi[u]);
-      for (int r = 0; r < RB; ++r) {
-        const int8_t* qr = q + r * D + 2 * c;
-        const __m256i qe = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr));
-        const __m256i qo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + 32));
-        for (int u = 0; u < 4; ++u) a[r][u] = dp4(dp4(a[r][u], lo[u], qe), hi[u], qo);
-      }
-    } else {
-      __m256i x[4];
-      for (int u = 0; u < 4; ++u) x[u] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[u] + c));
-      for (int r = 0; r < RB; ++r) {
-        const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * D + c));
-        for (int u = 0; u < 4; ++u) a[r][u] = dp4(a[r][u], x[u], qv);
+    __m256i x[8], y[8];
+    for (int u = 0; u < 8; ++u) x[u] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p[u] + c));
+    transpose8x32(x, y);
+    for (int j = 0; j < 8; ++j) {
+      if constexpr (L == Load::kU4) {
+        // byte b of the chunk: channel 2b (low nibble, query byte 2c + b) and 2b + 1 (high
+        // nibble, query byte 2c + 32 + b)
+        const __m256i lo = _mm256_and_si256(y[j], m);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(y[j], 4), m);
+        for (int r = 0; r < RB; ++r) {
+          const int8_t* qr = q + r * D + 2 * c + 4 * j;
+          int32_t qe, qo;
+          std::memcpy(&qe, qr, 4);
+          std::memcpy(&qo, qr + 32, 4);
+          a[r] = dp4(dp4(a[r], lo, _mm256_set1_epi32(qe)), hi, _mm256_set1_epi32(qo));
+        }
+      } else {
+        for (int r = 0; r < RB; ++r) {
+          int32_t qw;
+          std::memcpy(&qw, q + r * D + c + 4 * j, 4);
+          a[r] = dp4(a[r], y[j], _mm256_set1_epi32(qw));
+        }
       }
     }
   }
-  for (int r = 0; r < RB; ++r) {
-    alignas(16) int32_t s[4];
-    _mm_store_si128(reinterpret_cast<__m128i*>(s), hsum4(a[r][0], a[r][1], a[r][2], a[r][3]));
-    for (int64_t u = 0; u < nt; ++u) out[r * kTile + u] = s[u];
+  if (nt == 8) {
+    for (int r = 0; r < RB; ++r) _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * stride), a[r]);
+  } else {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(nt)), lane);
+    for (int r = 0; r < RB; ++r) _mm256_maskstore_epi32(out + r * stride, keep, a[r]);
   }
 }
 }  // namespace i8
@@ -93,28 +128,28 @@ void Unit<S>::idot_tokens(int64_t t0, int64_t t1, int64_t n, int64_t hs, int64_t
   const uint8_t* const* vrp = sc_.vrp.data();
   const int8_t* q8 = sc_.q8.data();
   int32_t* I = sc_.idot.data();
-  for (int64_t t = t0; t < t1; t += 4) {
-    const int64_t nt = std::min<int64_t>(4, t1 - t);
+  for (int64_t t = t0; t < t1; t += 8) {
+    const int64_t nt = std::min<int64_t>(8, t1 - t);
     for (int64_t u = 0; u < nt; ++u) {
       if (t + u + kKeyAhead < n) prefetch_rows(krp[t + u + kKeyAhead], kspan);
       prefetch_rows(vrp[t + u], vspan);
     }
     for (int64_t h = 0; h < H; ++h) {
-      const uint8_t* p[4];
-      for (int64_t u = 0; u < 4; ++u) p[u] = krp[t + std::min(u, nt - 1)] + h * hs;
+      const uint8_t* p[8];
+      for (int64_t u = 0; u < 8; ++u) p[u] = krp[t + std::min(u, nt - 1)] + h * hs;
       const int8_t* qh = q8 + h * R * D;
       int32_t* o = I + h * R * kTile + t;
       int64_t r = 0;
-      for (; r + 4 <= R; r += 4) i8::idot_block<L, 4>(p, nb, qh + r * D, D, nt, o + r * kTile);
+      for (; r + 4 <= R; r += 4) i8::idot8<L, 4>(p, nb, qh + r * D, D, nt, o + r * kTile, kTile);
       switch (R - r) {
         case 3:
-          i8::idot_block<L, 3>(p, nb, qh + r * D, D, nt, o + r * kTile);
+          i8::idot8<L, 3>(p, nb, qh + r * D, D, nt, o + r * kTile, kTile);
           break;
         case 2:
-          i8::idot_block<L, 2>(p, nb, qh + r * D, D, nt, o + r * kTile);
+          i8::idot8<L, 2>(p, nb, qh + r * D, D, nt, o + r * kTile, kTile);
           break;
         case 1:
-          i8::idot_block<L, 1>(p, nb, qh + r * D, D, nt, o + r * kTile);
+          i8::idot8<L, 1>(p, nb, qh + r * D, D, nt, o + r * kTile, kTile);
           break;
         default:
           break;
@@ -227,51 +262,63 @@ bool Unit<S>::accumulate_int8(int64_t n, int64_t hs) {
   uint8_t* w8 = sc_.w8.data();
   float* w8s = sc_.w8s.data();
   float* zg = sc_.zg.data();
-  float* wbuf = sc_.wg.data();  // w' per (row, group, token) between the two passes
-  // ---- weights w' = p * s per (row, group), rounded to uint8 per tile; zero sums exact
+  // ---- per head and group: the scales must be finite and >= 0 (else the exact path), and the
+  // zeros become centered ones, z + 7.5 s (shared by the head's rows)
+  for (int64_t c = 0; c < H * ng; ++c) {
+    const float* gs = ms + c * kTile;
+    V mn = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    const V inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < n8; t += 8) {
+      const V sv = _mm256_loadu_ps(gs + t);
+      mn = _mm256_min_ps(mn, sv);
+      ok = _mm256_and_ps(ok, _mm256_cmp_ps(sv, inf, _CMP_LT_OQ));
+    }
+    if (_mm256_movemask_ps(_mm256_cmp_ps(mn, _mm256_setzero_ps(), _CMP_LT_OQ)) != 0 ||
+        _mm256_movemask_ps(ok) != 0xFF)
+      return false;  // nothing written yet: the exact path reads the same metadata
+  }
+  for (int64_t c = 0; c < H * ng; ++c)
+    for (int64_t t = 0; t < n8; t += 8) {
+      float* z = mz + c * kTile + t;
+      _mm256_storeu_ps(z, _mm256_fmadd_ps(_mm256_set1_ps(7.5f), _mm256_loadu_ps(ms + c * kTile + t),
+                                          _mm256_loadu_ps(z)));
+    }
+  // ---- weights w' = p * s per (row, group), rounded to uint8 with sw = max w' / 255 per tile.
+  // Centered codes (as for keys): sum_t w'_t (s c_t + z) = sum_t w'_t (c_t - 7.5) + sum_t p_t
+  // (z_t + 7.5 s_t), and the first sum is taken as sw sum_t w8_t (c_t - 7.5), so a rounding
+  // error multiplies c - 7.5 (at most 7.5) instead of c.
   for (int64_t hr = 0; hr < H * R; ++hr) {
     const int64_t h = hr / R;
     const float* pr = p + hr * kTile;
     for (int64_t g = 0; g < ng; ++g) {
       const float* gs = ms + (h * ng + g) * kTile;
       const float* gz = mz + (h * ng + g) * kTile;
-      float* wt = wbuf + (hr * ng + g) * kTile;
-      V mx = _mm256_setzero_ps(), mn = _mm256_setzero_ps(), zs = _mm256_setzero_ps();
-      V wf = _mm256_setzero_ps();
+      V mx = _mm256_setzero_ps(), zs = _mm256_setzero_ps();
       for (int64_t t = 0; t < n8; t += 8) {
         const V pv = _mm256_loadu_ps(pr + t);
-        const V w = _mm256_mul_ps(pv, _mm256_loadu_ps(gs + t));
-        _mm256_storeu_ps(wt + t, w);
-        mx = _mm256_max_ps(mx, w);
-        mn = _mm256_min_ps(mn, w);
-        wf = _mm256_add_ps(wf, w);
+        mx = _mm256_max_ps(mx, _mm256_mul_ps(pv, _mm256_loadu_ps(gs + t)));
         zs = _mm256_fmadd_ps(pv, _mm256_loadu_ps(gz + t), zs);
       }
-      alignas(32) float m8[8], n8v[8];
-      _mm256_store_ps(m8, mx);
-      _mm256_store_ps(n8v, mn);
-      float amax = 0.f, amin = 0.f;
-      for (int i = 0; i < 8; ++i) {
-        amax = std::max(amax, m8[i]);
-        amin = std::min(amin, n8v[i]);
-      }
-      if (amin < 0.f || !(amax < std::numeric_limits<float>::infinity())) return false;
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
       const V inv = _mm256_set1_ps(amax > 0.f ? 255.f / amax : 0.f);
       uint8_t* out = w8 + (hr * ng + g) * kTile;
       __m256i wsum = _mm256_setzero_si256();
       for (int64_t t = 0; t < n8; t += 8) {
-        const V w = _mm256_mul_ps(_mm256_loadu_ps(wt + t), inv);
-        const __m256i wi = _mm256_cvtps_epi32(_mm256_min_ps(w, _mm256_set1_ps(255.f)));
+        const V w = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(pr + t), _mm256_loadu_ps(gs + t)), inv);
+        const __m256i wi = _mm256_cvtps_epi32(w);  // <= 255 up to rounding; packus saturates
         wsum = _mm256_add_epi32(wsum, wi);
+#if defined(__AVX512VL__)
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + t), _mm256_cvtusepi32_epi8(wi));
+#else
         const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(wi), _mm256_extracti128_si256(wi, 1));
         _mm_storel_epi64(reinterpret_cast<__m128i*>(out + t), _mm_packus_epi16(w16, w16));
+#endif
       }
-      // centered codes (as for keys): sum_t w'_t c_t = sw sum_t w8_t c_t - 7.5 (sw sum w8 -
-      // sum w') + sum_t e_t (c_t - 7.5); the middle term joins the zero sums
       const float sw = amax / 255.f;
-      const float a = sw * static_cast<float>(Simd256::reduce(_mm256_cvtepi32_ps(wsum))) - Simd256::reduce(wf);
       w8s[hr * ng + g] = sw;
-      zg[hr * ng + g] = Simd256::reduce(zs) - 7.5f * a;
+      zg[hr * ng + g] = Simd256::reduce(zs) - 7.5f * sw * static_cast<float>(Simd256::reduce(_mm256_cvtepi32_ps(wsum)));
     }
   }
   acc_order(true);
