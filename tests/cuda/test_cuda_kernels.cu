@@ -1067,6 +1067,24 @@ TEST(HostEmulated, DecodeScoreRuleVisibility) {
   r.pos = 300;  // positions past the mask's 128 are not seen
   EXPECT_EQ(seen(r, 301).size(), 128u);
   EXPECT_EQ(seen(r, 301).back(), 127);
+  // clip(): a split [a, e) cut to what causal and window allow (the kernel's page skipping).
+  auto clip = [](int64_t pos, int64_t window, int64_t a, int64_t e) {
+    Rule c;
+    c.pos = pos;
+    c.window = window;
+    c.clip(a, e);
+    return a < e ? V{a, e} : V{};
+  };
+  EXPECT_EQ(clip(9, 0, 0, 64), (V{0, 10}));
+  EXPECT_EQ(clip(1000, 0, 0, 64), (V{0, 64}));
+  EXPECT_EQ(clip(-1, 0, 0, 64), V{});
+  EXPECT_EQ(clip(9, 3, 0, 64), (V{7, 10}));
+  EXPECT_EQ(clip(9, 3, 8, 64), (V{8, 10}));
+  EXPECT_EQ(clip(9, 3, 0, 5), V{});     // wholly before the window
+  EXPECT_EQ(clip(9, 3, 10, 64), V{});   // wholly after the query
+  EXPECT_EQ(clip(200, 100, 64, 128), (V{101, 128}));
+  EXPECT_EQ(clip(200, 100, 0, 64), V{});
+  EXPECT_EQ(clip(int64_t{1} << 40, 5, 0, 64), V{});  // unchecked positions: no overflow
   // score(): the logit where seen, -inf elsewhere.
   r.softcap = 2.f;
   r.pos = 3;

@@ -87,14 +87,26 @@ struct ScoreRule {
   const uint64_t* mask_row = nullptr;  ///< the sequence's mask words (null: none)
   int64_t mask_words = 0;
 
-  /// Whether the query sees kv position t (t >= 0): t <= pos, t > pos - window (window > 0),
-  /// and the mask bit set (positions past the mask's words: not seen).
+  /// Clips the positions [a, e) to those causal and window allow, (pos - window, pos] (or
+  /// [0, pos] without a window); a >= e after when none is left. The kernel clips each split
+  /// with it, so a split wholly outside reads no page.
+  KVQ_HOST_DEVICE void clip(int64_t& a, int64_t& e) const {
+    if (e > pos + 1) e = pos + 1;
+    if (window > 0 && a < pos - window + 1) a = pos - window + 1;
+    if (a > e) a = e;
+  }
+  /// The custom mask's verdict for position t >= 0: its bit (positions past the mask's words:
+  /// not seen); true without a mask. The kernel asks it per token of the clipped range.
+  KVQ_HOST_DEVICE bool mask_allows(int64_t t) const {
+    if (mask_row == nullptr) return true;
+    return (t >> 6) < mask_words && ((mask_row[t >> 6] >> (t & 63)) & 1u) != 0;
+  }
+  /// Whether the query sees kv position t >= 0: t <= pos, t > pos - window (window > 0), and
+  /// the mask bit set.
   KVQ_HOST_DEVICE bool sees(int64_t t) const {
-    if (t > pos) return false;
-    if (window > 0 && t <= pos - window) return false;
-    if (mask_row != nullptr)
-      return t / 64 < mask_words && ((mask_row[t / 64] >> (t % 64)) & 1u) != 0;
-    return true;
+    int64_t a = t, e = t + 1;
+    clip(a, e);
+    return a < e && mask_allows(t);
   }
   /// The logit of a scaled score s: softcap * tanh(s / softcap), or s without a cap.
   KVQ_HOST_DEVICE float logit(float s) const { return softcap > 0.f ? softcap * tanhf(s / softcap) : s; }
@@ -464,13 +476,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   rule.mask_words = rules.mask_words;
   if (rules.mask_bits != nullptr)
     rule.mask_row = rules.mask_bits + static_cast<int64_t>(b) * rules.mask_words;
-  // This split's tokens, clipped to [pos - window + 1, pos] (64-bit: positions are unchecked).
-  const int64_t split_begin = static_cast<int64_t>(s) * split_tokens;
-  int64_t a = split_begin, e = (s == splits - 1) ? T : split_begin + split_tokens;
-  if (rule.window > 0 && a < rule.pos - rule.window + 1) a = rule.pos - rule.window + 1;
-  if (e > rule.pos + 1) e = rule.pos + 1;
-  if (e > T) e = T;
-  if (a > e) a = e;
+  // This split's tokens, clipped to what causal and window allow (64-bit: positions are
+  // unchecked); inside, only the mask is asked per token.
+  int64_t a = static_cast<int64_t>(s) * split_tokens;
+  int64_t e = (s == splits - 1 || a + split_tokens > T) ? T : a + split_tokens;
+  rule.clip(a, e);
   const int t_begin = static_cast<int>(a), t_end = static_cast<int>(e);
   if (t_begin >= t_end) {  // nothing to see here: an empty partial, no page read
     for (int g = threadIdx.x; g < G; g += blockDim.x) {
@@ -580,14 +590,12 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       if (t0 + tt0 >= t_end) break;
       float sc[NS][GM];
       float cmax[GM];
-      bool vis[NS];  // this lane's token of step i is seen
 #pragma unroll
       for (int g = 0; g < GM; ++g) cmax[g] = -INFINITY;
 #pragma unroll
       for (int i = 0; i < NS; ++i) {
         const int tt = tt0 + i * TPW + slot;
-        const bool valid = t0 + tt < t_end && rule.sees(t0 + tt);
-        vis[i] = valid;
+        const bool valid = t0 + tt < t_end && rule.mask_allows(t0 + tt);
         float kx[8];
         if (valid && d0 < D) {
           int tp;
@@ -634,7 +642,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 #pragma unroll
       for (int i = 0; i < NS; ++i) {
         const int tt = tt0 + i * TPW + slot;
-        if (!vis[i] || d0 >= D) continue;
+        if (t0 + tt >= t_end || d0 >= D || !rule.mask_allows(t0 + tt)) continue;
         int tp;
         const uint8_t* pg = page_of(t0 + tt, &tp);
         float vx[8];
