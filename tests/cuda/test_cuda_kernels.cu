@@ -4,13 +4,16 @@
 //  - HostEmulated.*: the per-thread bodies of the elementwise kernels (append params / encode /
 //    pack, dequantize) are KVQ_HOST_DEVICE functions; here they run on the host, compiled by
 //    nvcc, over the whole emulated grid, and must give the bytes quantize_page() and the
-//    values dequantize_page() give. Plan checks that need no device run here too. These run in
-//    CI on GPU-less machines.
+//    values dequantize_page() give. Plan checks that need no device run here too, and the
+//    decode's per-score rule (ScoreRule: soft-cap, causal, window, mask bits) and option checks
+//    (DecodePlan::check). These run in CI on GPU-less machines.
 //  - Gpu.*: the real kernels on a device: quantize-append bit-exact against quantize_page (same
 //    page bytes, padding included) for int/fp8/raw/Lloyd-Max configs, random and adversarial
 //    inputs; dequantize bit-exact against dequantize_page (f32/f16/bf16); batched decode
 //    attention within 1e-3 relative of a double-precision reference over the CPU-dequantized
-//    pages (nuq and dense-and-sparse outliers included: outlier pages written by the CPU);
+//    pages (nuq and dense-and-sparse outliers included: outlier pages written by the CPU), and
+//    with each DecodeOptions option (scale, soft-cap, window, positions, mask bits, sinks, lse,
+//    f16/bf16 q and out) against the same reference extended with them (RefOptions);
 //    non-finite input reported by AppendPlan::check. Each GTEST_SKIPs with the reason
 //    when no CUDA device is visible.
 #include <cuda_runtime.h>

@@ -2,9 +2,13 @@
 /// \file decode_attention.cuh
 /// Batched decode attention on the GPU straight from packed pages (flash-decoding).
 ///
-/// One query per query head per sequence, out = softmax(q K^T / sqrt(D)) V over every token of
-/// the sequence (the math of attention/cpu/attention_cpu.hpp and reference/attention_ref.hpp,
-/// in fp32 with a different summation order: results agree within 1e-3 relative).
+/// One query per query head per sequence, out = softmax(logits) V over the tokens the query
+/// sees, logits = scale * q.k (default 1/sqrt(D)), optionally soft-capped; causal at the
+/// query's position (default the last token), optionally a sliding window, a custom bit mask
+/// and per-head attention sinks; q and out f32, f16 or bf16 (DecodeOptions). The math and
+/// masking semantics of attention/cpu/ (AttentionOptions, mask.hpp) and
+/// reference/attention_ref.hpp, in fp32 with a different summation order: results agree within
+/// 1e-3 relative.
 ///
 /// Work split: a CTA of kDecodeWarps warps handles one (sequence, kv head, chunk of <= 8 query
 /// heads of its GQA group, split of `split_tokens` tokens); every key/value element it
@@ -18,9 +22,10 @@
 /// accumulated in the rotated domain and rotated back once in the merge kernel.
 ///
 /// The batched form takes FlashInfer-style page tables: `page_indptr` [batch + 1] into one
-/// device array of page pointers, `seq_tokens` [batch]. A sequence of 0 tokens gets a zero
-/// output. DecodePlan fixes the split size from the longest sequence once; run() allocates
-/// nothing.
+/// device array of page pointers, `seq_tokens` [batch]. A sequence of 0 tokens (or whose query
+/// sees none) gets a zero output. DecodePlan fixes the split size from the longest sequence
+/// once; run() allocates nothing. Splits wholly outside a query's [pos - window + 1, pos] read
+/// no page (a windowed layer costs its window, not its length).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
