@@ -4,13 +4,16 @@
 //  - HostEmulated.*: the per-thread bodies of the elementwise kernels (append params / encode /
 //    pack, dequantize) are KVQ_HOST_DEVICE functions; here they run on the host, compiled by
 //    nvcc, over the whole emulated grid, and must give the bytes quantize_page() and the
-//    values dequantize_page() give. Plan checks that need no device run here too. These run in
-//    CI on GPU-less machines.
+//    values dequantize_page() give. Plan checks that need no device run here too, and the
+//    decode's per-score rule (ScoreRule: soft-cap, causal, window, mask bits) and option checks
+//    (DecodePlan::check). These run in CI on GPU-less machines.
 //  - Gpu.*: the real kernels on a device: quantize-append bit-exact against quantize_page (same
 //    page bytes, padding included) for int/fp8/raw/Lloyd-Max configs, random and adversarial
 //    inputs; dequantize bit-exact against dequantize_page (f32/f16/bf16); batched decode
 //    attention within 1e-3 relative of a double-precision reference over the CPU-dequantized
-//    pages (nuq and dense-and-sparse outliers included: outlier pages written by the CPU);
+//    pages (nuq and dense-and-sparse outliers included: outlier pages written by the CPU), and
+//    with each DecodeOptions option (scale, soft-cap, window, positions, mask bits, sinks, lse,
+//    f16/bf16 q and out) against the same reference extended with them (RefOptions);
 //    non-finite input reported by AppendPlan::check. Each GTEST_SKIPs with the reason
 //    when no CUDA device is visible.
 #include <cuda_runtime.h>
@@ -719,34 +722,68 @@ TEST(Gpu, DequantizeGivesTheBitsOfDequantizePage) {
   }
 }
 
+/// The logit and masking options of reference_decode, written out plainly (the semantics of
+/// AttentionOptions and reference/attention_ref.hpp for one decode query).
+struct RefOptions {
+  double scale = 0;                 ///< 0: 1/sqrt(D)
+  double softcap = 0;               ///< 0: off
+  int64_t window = 0;               ///< 0: none
+  const int64_t* pos = nullptr;     ///< the query's position (null: the last token)
+  const uint64_t* mask = nullptr;   ///< the sequence's mask words (null: none)
+  const float* sinks = nullptr;     ///< [Hq] sink logits (null: none; -inf: none for that head)
+};
+
 /// Double-precision decode attention over f32 keys/values [T, H, D] for queries [Hq, D]; the
-/// rows' log-sum-exp of the scaled scores into `lse` ([Hq]) when given (-inf for T == 0).
+/// rows' log-sum-exp of the logits into `lse` ([Hq]) when given (-inf when nothing weighs).
+/// Query position p: token t is seen when t <= p, t >= p - window + 1 (window > 0) and its mask
+/// bit is set; logit = scale * q.k, then softcap * tanh(logit / softcap); a sink adds
+/// exp(sink - max) to the denominator and exp(sink) to the lse sum. A row that sees no token is
+/// zeros (its lse is the sink's, or -inf).
 std::vector<float> reference_decode(const std::vector<float>& k, const std::vector<float>& v,
                                     int64_t T, int64_t H, int64_t D, const float* q, int64_t Hq,
-                                    std::vector<double>* lse = nullptr) {
+                                    std::vector<double>* lse = nullptr, const RefOptions& o = {}) {
   std::vector<float> out(static_cast<std::size_t>(Hq * D), 0.f);
   if (lse) lse->assign(static_cast<std::size_t>(Hq), -INFINITY);
-  if (T == 0) return out;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  const double scale = o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(D));
+  const int64_t p = o.pos != nullptr ? *o.pos : T - 1;
   for (int64_t hq = 0; hq < Hq; ++hq) {
     const int64_t h = hq / (Hq / H);
     std::vector<double> s(static_cast<std::size_t>(T));
+    std::vector<bool> seen(static_cast<std::size_t>(T), false);
     double m = -INFINITY;
     for (int64_t t = 0; t < T; ++t) {
+      if (t > p) continue;
+      if (o.window > 0 && t < p - o.window + 1) continue;
+      if (o.mask != nullptr && ((o.mask[t / 64] >> (t % 64)) & 1u) == 0) continue;
+      seen[t] = true;
       double dot = 0;
       for (int64_t d = 0; d < D; ++d) dot += static_cast<double>(q[hq * D + d]) * k[(t * H + h) * D + d];
       s[t] = dot * scale;
+      if (o.softcap > 0) s[t] = o.softcap * std::tanh(s[t] / o.softcap);
       m = std::max(m, s[t]);
     }
     double l = 0;
     std::vector<double> acc(static_cast<std::size_t>(D), 0.0);
     for (int64_t t = 0; t < T; ++t) {
+      if (!seen[t]) continue;
       const double w = std::exp(s[t] - m);
       l += w;
       for (int64_t d = 0; d < D; ++d) acc[d] += w * v[(t * H + h) * D + d];
     }
-    for (int64_t d = 0; d < D; ++d) out[hq * D + d] = static_cast<float>(acc[d] / l);
-    if (lse) (*lse)[static_cast<std::size_t>(hq)] = m + std::log(l);
+    const bool sink = o.sinks != nullptr && std::isfinite(o.sinks[hq]);
+    const double sv = sink ? o.sinks[hq] : 0.0;
+    if (l > 0) {
+      const double denom = l + (sink ? std::exp(sv - m) : 0.0);
+      for (int64_t d = 0; d < D; ++d) out[hq * D + d] = static_cast<float>(acc[d] / denom);
+    }
+    if (lse) {
+      double x = l > 0 ? m + std::log(l) : -INFINITY;
+      if (sink) {
+        const double hi = std::max(x, sv);
+        x = hi + std::log(std::exp(x - hi) + std::exp(sv - hi));
+      }
+      (*lse)[static_cast<std::size_t>(hq)] = x;
+    }
   }
   return out;
 }
@@ -951,6 +988,496 @@ TEST(HostEmulated, DecodeCases) {
 TEST(Gpu, DecodeAttentionMatchesTheReference) {
   KVQ_REQUIRE_GPU();
   for (const DecodeCase& dc : decode_cases()) decode_case(dc, true);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Decode options (DecodeOptions): the per-score rule on the host, the option checks, and the
+// kernels with each option against reference_decode's RefOptions.
+
+/// The kvq::Error message f() throws ("" when it returns).
+template <class F>
+std::string error_message(F&& f) {
+  try {
+    f();
+  } catch (const kvq::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(HostEmulated, DecodeScoreRuleSoftcap) {
+  kvq::cuda::detail::ScoreRule r;
+  const float xs[] = {-1e4f, -100.f, -3.5f, -0.1f, 0.f, 1e-6f, 0.2f, 7.f, 50.f, 3e4f};
+  for (float x : xs) EXPECT_EQ(r.logit(x), x) << "no cap: the scaled score itself";
+  for (float cap : {0.5f, 5.f, 30.f, 50.f}) {
+    r.softcap = cap;
+    for (float x : xs) {
+      const double want = static_cast<double>(cap) * std::tanh(static_cast<double>(x) / cap);
+      // tanhf is within a few ulp; a float division and product add one rounding each.
+      EXPECT_NEAR(r.logit(x), want, 4e-7 * cap + 1e-12) << "cap " << cap << ", x " << x;
+      EXPECT_LE(std::fabs(r.logit(x)), cap) << "cap " << cap << ", x " << x;
+    }
+  }
+  EXPECT_FLOAT_EQ(r.logit(50.f), 50.f * std::tanh(1.f));  // cap 50: tanh(1)
+}
+
+TEST(HostEmulated, DecodeScoreRuleVisibility) {
+  using Rule = kvq::cuda::detail::ScoreRule;
+  // Visible positions among [0, n) for a rule, as a list.
+  auto seen = [](const Rule& r, int64_t n) {
+    std::vector<int64_t> v;
+    for (int64_t t = 0; t < n; ++t)
+      if (r.sees(t)) v.push_back(t);
+    return v;
+  };
+  using V = std::vector<int64_t>;
+  Rule r;
+  r.pos = 9;  // causal: 0 .. 9
+  EXPECT_EQ(seen(r, 12), (V{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  r.window = 3;  // (6, 9]
+  EXPECT_EQ(seen(r, 12), (V{7, 8, 9}));
+  r.window = 1;  // the query's own position only
+  EXPECT_EQ(seen(r, 12), (V{9}));
+  r.window = 10;  // exactly reaches position 0
+  EXPECT_EQ(seen(r, 12), (V{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  r.window = 1000;
+  EXPECT_EQ(seen(r, 12), (V{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  r.pos = 0;
+  r.window = 0;
+  EXPECT_EQ(seen(r, 5), (V{0}));
+  r.pos = -1;  // before every token: nothing
+  EXPECT_EQ(seen(r, 5), V{});
+  // Mask bits: word 0 has bits 0, 5 and 63, word 1 bits 0 (position 64) and 6 (70).
+  const uint64_t words[2] = {(1ull << 0) | (1ull << 5) | (1ull << 63), (1ull << 0) | (1ull << 6)};
+  r.mask_row = words;
+  r.mask_words = 2;
+  r.pos = 100;
+  EXPECT_EQ(seen(r, 101), (V{0, 5, 63, 64, 70}));
+  r.pos = 64;  // causal cuts position 70
+  EXPECT_EQ(seen(r, 101), (V{0, 5, 63, 64}));
+  r.pos = 70;
+  r.window = 10;  // (60, 70] and the mask
+  EXPECT_EQ(seen(r, 101), (V{63, 64, 70}));
+  r.window = 6;  // (64, 70]
+  EXPECT_EQ(seen(r, 101), (V{70}));
+  r.window = 5;  // (65, 70]
+  EXPECT_EQ(seen(r, 101), (V{70}));
+  r.pos = 69;  // (64, 69]: the mask excludes all
+  EXPECT_EQ(seen(r, 101), V{});
+  const uint64_t all[2] = {~0ull, ~0ull};
+  r.mask_row = all;
+  r.window = 0;
+  r.pos = 300;  // positions past the mask's 128 are not seen
+  EXPECT_EQ(seen(r, 301).size(), 128u);
+  EXPECT_EQ(seen(r, 301).back(), 127);
+  // clip(): a split [a, e) cut to what causal and window allow (the kernel's page skipping).
+  auto clip = [](int64_t pos, int64_t window, int64_t a, int64_t e) {
+    Rule c;
+    c.pos = pos;
+    c.window = window;
+    c.clip(a, e);
+    return a < e ? V{a, e} : V{};
+  };
+  EXPECT_EQ(clip(9, 0, 0, 64), (V{0, 10}));
+  EXPECT_EQ(clip(1000, 0, 0, 64), (V{0, 64}));
+  EXPECT_EQ(clip(-1, 0, 0, 64), V{});
+  EXPECT_EQ(clip(9, 3, 0, 64), (V{7, 10}));
+  EXPECT_EQ(clip(9, 3, 8, 64), (V{8, 10}));
+  EXPECT_EQ(clip(9, 3, 0, 5), V{});     // wholly before the window
+  EXPECT_EQ(clip(9, 3, 10, 64), V{});   // wholly after the query
+  EXPECT_EQ(clip(200, 100, 64, 128), (V{101, 128}));
+  EXPECT_EQ(clip(200, 100, 0, 64), V{});
+  EXPECT_EQ(clip(int64_t{1} << 40, 5, 0, 64), V{});  // unchecked positions: no overflow
+  // score(): the logit where seen, -inf elsewhere.
+  r.softcap = 2.f;
+  r.pos = 3;
+  r.mask_row = words;
+  EXPECT_NEAR(r.score(0, 10.f), 2.0 * std::tanh(5.0), 1e-6);
+  EXPECT_EQ(r.score(1, 10.f), -INFINITY);  // mask bit clear
+  EXPECT_EQ(r.score(5, 10.f), -INFINITY);  // after the query
+}
+
+TEST(HostEmulated, DecodeOptionsAreCheckedBeforeAnyDeviceCall) {
+  const QuantConfig c = int_cfg(4, Axis::kToken, 32);
+  const PageLayout L = kvq::make_page_layout(c, c, kP, kH, kD);
+  const kvq::cuda::DecodePlan plan(L, 2, 4, 100, 0, 132);
+  const int invalid = static_cast<int>(kvq::ErrorKind::kInvalidArgument);
+  const uint64_t bits[4] = {};
+  using O = kvq::cuda::DecodeOptions;
+  struct Bad {
+    O opt;
+    const char* field;
+  };
+  std::vector<Bad> bad;
+  auto add = [&](const char* field, auto set) {
+    O o;
+    set(o);
+    bad.push_back({o, field});
+  };
+  add("sm_scale", [](O& o) { o.sm_scale = -0.5f; });
+  add("sm_scale", [](O& o) { o.sm_scale = INFINITY; });
+  add("sm_scale", [](O& o) { o.sm_scale = NAN; });
+  add("softcap", [](O& o) { o.softcap = -1.f; });
+  add("softcap", [](O& o) { o.softcap = INFINITY; });
+  add("softcap", [](O& o) { o.softcap = NAN; });
+  add("window", [](O& o) { o.window = -1; });
+  add("mask_words", [&](O& o) { o.mask_bits = bits; });  // mask_words 0
+  add("mask_words", [&](O& o) {                          // 64 positions < max_seq_tokens 100
+    o.mask_bits = bits;
+    o.mask_words = 1;
+  });
+  add("mask_words", [](O& o) { o.mask_words = 2; });  // without mask_bits
+  add("q_type", [](O& o) { o.q_type = static_cast<kvq::cuda::IoType>(7); });
+  add("out_type", [](O& o) { o.out_type = static_cast<kvq::cuda::IoType>(-1); });
+  for (const Bad& b : bad) {
+    EXPECT_EQ(error_kind([&] { plan.check(b.opt); }), invalid) << b.field;
+    EXPECT_NE(error_message([&] { plan.check(b.opt); }).find(b.field), std::string::npos)
+        << b.field << ": " << error_message([&] { plan.check(b.opt); });
+    // run() checks before any CUDA call, so it refuses without a device too.
+    void* fake = reinterpret_cast<void*>(256);
+    EXPECT_EQ(error_kind([&] {
+                plan.run(fake, fake, reinterpret_cast<const std::byte* const*>(fake),
+                         reinterpret_cast<const int32_t*>(fake),
+                         reinterpret_cast<const int32_t*>(fake), fake, b.opt);
+              }),
+              invalid)
+        << b.field;
+  }
+  // What run() accepts.
+  O ok;
+  EXPECT_EQ(error_kind([&] { plan.check(ok); }), -1);
+  ok.sm_scale = 0.125f;
+  ok.softcap = 30.f;
+  ok.window = 4096;
+  ok.mask_bits = bits;
+  ok.mask_words = 2;  // 128 positions >= 100
+  ok.q_type = kvq::cuda::IoType::kBF16;
+  ok.out_type = kvq::cuda::IoType::kF16;
+  EXPECT_EQ(error_kind([&] { plan.check(ok); }), -1);
+  ok.mask_words = 4;  // a longer row stride is fine
+  EXPECT_EQ(error_kind([&] { plan.check(ok); }), -1);
+}
+
+/// One decode-options case: which options are on (each resolved per sequence by
+/// options_case). `blind`: sequence 0's mask words are all clear (it sees nothing) and sequence
+/// 3's bits are set only before its window (nothing either, when a window is on).
+struct OptCase {
+  std::string name;
+  float scale = 0.f, softcap = 0.f, q_gain = 1.f;
+  int32_t window = 0;
+  bool positions = false, mask = false, blind = false, sinks = false;
+  kvq::cuda::IoType io = kvq::cuda::IoType::kF32;
+  int64_t split = 0, group = 4, head_dim = kD;
+};
+
+std::vector<OptCase> option_cases() {
+  using kvq::cuda::IoType;
+  std::vector<OptCase> v;
+  auto add = [&](const char* name, auto set) {
+    OptCase c;
+    c.name = name;
+    set(c);
+    v.push_back(c);
+  };
+  add("sm_scale 0.3", [](OptCase& c) { c.scale = 0.3f; });
+  add("softcap 3, peaky (q gain 8)", [](OptCase& c) {
+    c.softcap = 3.f;
+    c.q_gain = 8.f;
+  });
+  add("window 100, split 64 (splits and pages outside skipped)", [](OptCase& c) {
+    c.window = 100;
+    c.split = 64;
+  });
+  add("window 1", [](OptCase& c) { c.window = 1; });
+  add("positions", [](OptCase& c) { c.positions = true; });
+  add("positions, window 150, split 64", [](OptCase& c) {
+    c.positions = true;
+    c.window = 150;
+    c.split = 64;
+  });
+  add("mask bits", [](OptCase& c) { c.mask = true; });
+  add("mask bits, a sequence sees nothing, sinks", [](OptCase& c) {
+    c.mask = true;
+    c.blind = true;
+    c.sinks = true;
+  });
+  add("window 200 + mask bits excluding sequences 0 and 3", [](OptCase& c) {
+    c.window = 200;
+    c.mask = true;
+    c.blind = true;
+  });
+  add("sinks", [](OptCase& c) { c.sinks = true; });
+  add("f16 q and out", [](OptCase& c) { c.io = IoType::kF16; });
+  add("bf16 q and out", [](OptCase& c) { c.io = IoType::kBF16; });
+  add("f16 q and out, softcap 20, window 300", [](OptCase& c) {
+    c.io = IoType::kF16;
+    c.softcap = 20.f;
+    c.window = 300;
+  });
+  add("everything, bf16, group 12", [](OptCase& c) {
+    c.scale = 0.2f;
+    c.softcap = 10.f;
+    c.q_gain = 2.f;
+    c.window = 250;
+    c.positions = true;
+    c.mask = true;
+    c.blind = true;
+    c.sinks = true;
+    c.io = IoType::kBF16;
+    c.split = 64;
+    c.group = 12;
+  });
+  add("everything, f32, head_dim 128, group 8", [](OptCase& c) {
+    c.softcap = 15.f;
+    c.window = 333;
+    c.positions = true;
+    c.mask = true;
+    c.sinks = true;
+    c.group = 8;
+    c.head_dim = 128;
+  });
+  return v;
+}
+
+std::vector<Pair> option_pairs() {
+  return {
+      {"f16 / f16", raw_cfg(Format::kF16), raw_cfg(Format::kF16)},
+      {"e4m3 head / e4m3 head (fp8)", fp8_cfg(false, Axis::kHead, 64), fp8_cfg(false, Axis::kHead, 64)},
+      {"kivi4: int4 channel g32 / int4 token g32", int_cfg(4, Axis::kChannel, 32),
+       int_cfg(4, Axis::kToken, 32)},
+      {"lm4 / int3 token g32 (element by element)", lm_cfg(4), int_cfg(3, Axis::kToken, 32)},
+  };
+}
+
+/// One decode-options case on one format pair: sequences of 1 granule, ~5 pages, 0 and ~1000
+/// tokens written by the CPU, decoded on the GPU with the options and compared with
+/// reference_decode over the CPU-dequantized pages. The page-table entries of pages wholly
+/// outside a sequence's [pos - window + 1, pos] are null, so a kernel that read them would
+/// fault. Without device, only the host half (pages, plan, check) runs.
+void options_case(const Pair& pr, const OptCase& oc, bool device) {
+  using kvq::cuda::IoType;
+  const int64_t D = oc.head_dim, group = oc.group;
+  SCOPED_TRACE(pr.name + ", " + oc.name + ", head_dim " + std::to_string(D));
+  const PageLayout L = kvq::make_page_layout(pr.k, pr.v, kP, kH, D);
+  const int64_t g = L.granule;
+  const std::vector<int64_t> lens = {g, (5 * kP / g) * g + g, 0, (1000 / g) * g};
+  const int64_t B = static_cast<int64_t>(lens.size()), Hq = kH * group;
+  const int64_t max_len = *std::max_element(lens.begin(), lens.end());
+  // Options, per sequence.
+  std::vector<int64_t> pos(static_cast<std::size_t>(B));
+  for (int64_t b = 0; b < B; ++b)
+    pos[b] = oc.positions ? (lens[b] * 7) / 10 : lens[b] - 1;  // (the empty sequence: 0)
+  const int64_t words = oc.mask ? (max_len + 63) / 64 + 1 : 0;  // one spare word: row stride
+  std::vector<uint64_t> mask(static_cast<std::size_t>(B * std::max<int64_t>(words, 1)), 0);
+  if (oc.mask) {
+    std::mt19937_64 rng(77);
+    for (auto& w : mask) w = rng() | rng();  // ~3/4 of the positions seen
+    if (oc.blind) {
+      for (int64_t i = 0; i < words; ++i) mask[i] = 0;  // sequence 0 sees nothing
+      if (oc.window > 0) {  // sequence 3: bits only before its window
+        uint64_t* row = mask.data() + 3 * words;
+        for (int64_t t = 0; t < words * 64; ++t)
+          if (t >= pos[3] - oc.window + 1) row[t / 64] &= ~(1ull << (t % 64));
+      }
+    }
+  }
+  std::vector<float> sinks(static_cast<std::size_t>(Hq));
+  {
+    std::mt19937 rng(78);
+    std::uniform_real_distribution<float> u(-1.f, 4.f);
+    for (auto& x : sinks) x = u(rng);
+    sinks[1] = -INFINITY;  // no sink for query head 1
+  }
+  kvq::cuda::DecodeOptions opt;
+  opt.sm_scale = oc.scale;
+  opt.softcap = oc.softcap;
+  opt.window = oc.window;
+  opt.mask_words = static_cast<int32_t>(words);
+  opt.q_type = opt.out_type = oc.io;
+
+  std::vector<Pages> seqs;
+  std::vector<int32_t> indptr = {0}, tokens;
+  std::vector<std::vector<float>> ks, vs;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t T = lens[b], np = (T + kP - 1) / kP;
+    Pages p = zero_pages(L, np);
+    auto k = make_input(Input::kOutlierChannels, T, kH, D, 40 + b);
+    auto v = make_input(Input::kGaussian, T, kH, D, 50 + b);
+    if (T > 0) cpu_append(L, p, 0, k, v, T);
+    std::vector<float> dk, dv;
+    cpu_dequantize(L, p, T, dk, dv);
+    ks.push_back(dk);
+    vs.push_back(dv);
+    seqs.push_back(std::move(p));
+    indptr.push_back(indptr.back() + static_cast<int32_t>(np));
+    tokens.push_back(static_cast<int32_t>(T));
+  }
+  std::vector<float> q = make_input(Input::kGaussian, B, Hq, D, 60);
+  for (float& x : q) x *= oc.q_gain;
+  if (oc.io == IoType::kF16) q = round_trip<kvq::f16>(q);  // the values the query carries
+  if (oc.io == IoType::kBF16) q = round_trip<kvq::bf16>(q);
+  const kvq::cuda::DecodePlan plan(L, B, Hq, max_len, oc.split);
+  {
+    kvq::cuda::DecodeOptions host = opt;  // check() reads no pointee
+    if (oc.mask) host.mask_bits = mask.data();
+    EXPECT_EQ(error_kind([&] { plan.check(host); }), -1);
+  }
+  if (!device) return;
+
+  std::vector<std::unique_ptr<DevPages>> dev;
+  std::vector<const std::byte*> table;
+  int64_t nulled = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    auto& s = seqs[static_cast<std::size_t>(b)];
+    dev.push_back(std::make_unique<DevPages>(L, static_cast<int64_t>(s.size())));
+    dev.back()->upload(s);
+    const int64_t lo = oc.window > 0 ? pos[b] - oc.window + 1 : 0, hi = pos[b];
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      const int64_t first = static_cast<int64_t>(i) * kP, last = first + kP - 1;
+      const bool outside = last < lo || first > hi;
+      nulled += outside ? 1 : 0;
+      table.push_back(outside ? nullptr : dev.back()->ptrs[i]);
+    }
+  }
+  if (oc.window > 0 && oc.split == 64) EXPECT_GT(nulled, 0) << "the case must skip pages";
+  std::vector<int32_t> pos32(pos.begin(), pos.end());
+  void* ws = nullptr;
+  CK(cudaMalloc(&ws, plan.workspace_bytes()));
+  const std::byte** dtable = to_device(table);
+  int32_t* dindptr = to_device(indptr);
+  int32_t* dtokens = to_device(tokens);
+  int32_t* dpos = to_device(pos32);
+  uint64_t* dmask = to_device(mask);
+  float* dsinks = to_device(sinks);
+  void* dq = nullptr;
+  if (oc.io == IoType::kF16) {
+    dq = to_device(convert_input<kvq::f16>(q));
+  } else if (oc.io == IoType::kBF16) {
+    dq = to_device(convert_input<kvq::bf16>(q));
+  } else {
+    dq = to_device(q);
+  }
+  const std::size_t esize = oc.io == IoType::kF32 ? 4 : 2;
+  void* dout = nullptr;
+  float* dlse = nullptr;
+  CK(cudaMalloc(&dout, esize * q.size()));
+  CK(cudaMalloc(&dlse, sizeof(float) * static_cast<std::size_t>(B * Hq)));
+  opt.positions = oc.positions ? dpos : nullptr;
+  opt.mask_bits = oc.mask ? dmask : nullptr;
+  opt.sinks = oc.sinks ? dsinks : nullptr;
+  opt.lse = dlse;
+  EXPECT_NO_THROW(plan.run(ws, dq, dtable, dindptr, dtokens, dout, opt));
+  CK(cudaDeviceSynchronize());
+  std::vector<float> got(q.size());
+  if (oc.io == IoType::kF16) {
+    const auto h = to_host(static_cast<const kvq::f16*>(dout), q.size());
+    for (std::size_t i = 0; i < got.size(); ++i) got[i] = kvq::to_float(h[i]);
+  } else if (oc.io == IoType::kBF16) {
+    const auto h = to_host(static_cast<const kvq::bf16*>(dout), q.size());
+    for (std::size_t i = 0; i < got.size(); ++i) got[i] = kvq::to_float(h[i]);
+  } else {
+    got = to_host(static_cast<const float*>(dout), q.size());
+  }
+  const std::vector<float> got_lse = to_host(dlse, static_cast<std::size_t>(B * Hq));
+  // The kernel's f32 result is within 1e-3 of the largest magnitude (the f32 decode test's
+  // bound); an f16 / bf16 output adds its own rounding, at most the unit roundoff u (2^-11,
+  // 2^-8) relative to the stored value.
+  const double u = oc.io == IoType::kF16 ? std::ldexp(1.0, -11)
+                                         : (oc.io == IoType::kBF16 ? std::ldexp(1.0, -8) : 0.0);
+  for (int64_t b = 0; b < B; ++b) {
+    RefOptions ro;
+    ro.scale = oc.scale;
+    ro.softcap = oc.softcap;
+    ro.window = oc.window;
+    ro.pos = &pos[b];
+    ro.mask = oc.mask ? mask.data() + b * words : nullptr;
+    ro.sinks = oc.sinks ? sinks.data() : nullptr;
+    std::vector<double> want_lse;
+    const auto want =
+        reference_decode(ks[b], vs[b], lens[b], kH, D, q.data() + b * Hq * D, Hq, &want_lse, ro);
+    const bool blind = lens[b] == 0 || (oc.blind && (b == 0 || (b == 3 && oc.window > 0)));
+    for (int64_t h = 0; h < Hq; ++h) {
+      const double a = got_lse[static_cast<std::size_t>(b * Hq + h)];
+      const double w = want_lse[static_cast<std::size_t>(h)];
+      if (std::isinf(w)) {
+        EXPECT_TRUE(std::isinf(a) && a < 0) << "sequence " << b << " head " << h << ": lse " << a;
+      } else {
+        EXPECT_NEAR(a, w, 1e-3 * (1.0 + std::fabs(w))) << "sequence " << b << " head " << h;
+      }
+      if (blind) {  // sees nothing: lse is the sink's alone (or -inf)
+        const bool sink = oc.sinks && h != 1;
+        EXPECT_EQ(w, sink ? static_cast<double>(sinks[h]) : -INFINITY) << "reference, head " << h;
+      }
+    }
+    double mag = 0;
+    for (int64_t i = 0; i < Hq * D; ++i) mag = std::max(mag, static_cast<double>(std::fabs(want[i])));
+    if (blind) {
+      EXPECT_EQ(mag, 0.0) << "reference: sequence " << b << " sees nothing";
+      for (int64_t i = 0; i < Hq * D; ++i)
+        ASSERT_EQ(got[b * Hq * D + i], 0.f) << "sequence " << b << " sees nothing: zeros";
+      continue;
+    }
+    int64_t bad = 0;
+    double worst = 0;
+    for (int64_t i = 0; i < Hq * D; ++i) {
+      const double w = want[i], e = std::fabs(got[b * Hq * D + i] - w);
+      const double bound = 1e-3 * mag + u * (std::fabs(w) + 1e-3 * mag);
+      if (!(e <= bound)) ++bad;
+      worst = std::max(worst, e / bound);
+    }
+    EXPECT_EQ(bad, 0) << "sequence " << b << " (" << lens[b] << " tokens): worst error "
+                      << worst << " x the bound";
+  }
+  for (void* p : {ws, static_cast<void*>(dtable), static_cast<void*>(dindptr),
+                  static_cast<void*>(dtokens), static_cast<void*>(dpos), static_cast<void*>(dmask),
+                  static_cast<void*>(dsinks), dq, dout, static_cast<void*>(dlse)})
+    cudaFree(p);
+}
+
+TEST(HostEmulated, DecodeOptionCases) {
+  for (const Pair& pr : option_pairs())
+    for (const OptCase& oc : option_cases()) options_case(pr, oc, false);
+}
+
+TEST(Gpu, DecodeOptionsMatchTheReference) {
+  KVQ_REQUIRE_GPU();
+  for (const Pair& pr : option_pairs())
+    for (const OptCase& oc : option_cases()) options_case(pr, oc, true);
+}
+
+TEST(Gpu, DecodeF32FormMatchesTheOptionsForm) {
+  // The old run() signature forwards to the options form: same bits.
+  KVQ_REQUIRE_GPU();
+  const Pair pr = option_pairs()[2];
+  const PageLayout L = kvq::make_page_layout(pr.k, pr.v, kP, kH, kD);
+  const int64_t T = 300, Hq = 8;
+  Pages p = zero_pages(L, (T + kP - 1) / kP);
+  cpu_append(L, p, 0, make_input(Input::kGaussian, T, kH, kD, 1),
+             make_input(Input::kGaussian, T, kH, kD, 2), T);
+  DevPages dev(L, static_cast<int64_t>(p.size()));
+  dev.upload(p);
+  const kvq::cuda::DecodePlan plan(L, 1, Hq, T);
+  void* ws = nullptr;
+  CK(cudaMalloc(&ws, plan.workspace_bytes()));
+  const std::vector<float> q = make_input(Input::kGaussian, 1, Hq, kD, 3);
+  float* dq = to_device(q);
+  int32_t* dmeta = to_device(std::vector<int32_t>{0, static_cast<int32_t>(p.size()), static_cast<int32_t>(T)});
+  float *o1 = nullptr, *o2 = nullptr, *l1 = nullptr, *l2 = nullptr;
+  CK(cudaMalloc(&o1, sizeof(float) * q.size()));
+  CK(cudaMalloc(&o2, sizeof(float) * q.size()));
+  CK(cudaMalloc(&l1, sizeof(float) * Hq));
+  CK(cudaMalloc(&l2, sizeof(float) * Hq));
+  plan.run(ws, dq, dev.table, dmeta, dmeta + 2, o1, nullptr, 0.07f, l1);
+  kvq::cuda::DecodeOptions opt;
+  opt.sm_scale = 0.07f;
+  opt.lse = l2;
+  plan.run(ws, dq, dev.table, dmeta, dmeta + 2, o2, opt);
+  CK(cudaDeviceSynchronize());
+  EXPECT_TRUE(same_bits(to_host(o1, q.size()), to_host(o2, q.size())));
+  EXPECT_TRUE(same_bits(to_host(l1, Hq), to_host(l2, Hq)));
+  for (void* x : {ws, static_cast<void*>(dq), static_cast<void*>(dmeta), static_cast<void*>(o1),
+                  static_cast<void*>(o2), static_cast<void*>(l1), static_cast<void*>(l2)})
+    cudaFree(x);
 }
 
 }  // namespace

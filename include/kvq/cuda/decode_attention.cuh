@@ -2,9 +2,13 @@
 /// \file decode_attention.cuh
 /// Batched decode attention on the GPU straight from packed pages (flash-decoding).
 ///
-/// One query per query head per sequence, out = softmax(q K^T / sqrt(D)) V over every token of
-/// the sequence (the math of attention/cpu/attention_cpu.hpp and reference/attention_ref.hpp,
-/// in fp32 with a different summation order: results agree within 1e-3 relative).
+/// One query per query head per sequence, out = softmax(logits) V over the tokens the query
+/// sees, logits = scale * q.k (default 1/sqrt(D)), optionally soft-capped; causal at the
+/// query's position (default the last token), optionally a sliding window, a custom bit mask
+/// and per-head attention sinks; q and out f32, f16 or bf16 (DecodeOptions). The math and
+/// masking semantics of attention/cpu/ (AttentionOptions, mask.hpp) and
+/// reference/attention_ref.hpp, in fp32 with a different summation order: results agree within
+/// 1e-3 relative.
 ///
 /// Work split: a CTA of kDecodeWarps warps handles one (sequence, kv head, chunk of <= 8 query
 /// heads of its GQA group, split of `split_tokens` tokens); every key/value element it
@@ -18,13 +22,16 @@
 /// accumulated in the rotated domain and rotated back once in the merge kernel.
 ///
 /// The batched form takes FlashInfer-style page tables: `page_indptr` [batch + 1] into one
-/// device array of page pointers, `seq_tokens` [batch]. A sequence of 0 tokens gets a zero
-/// output. DecodePlan fixes the split size from the longest sequence once; run() allocates
-/// nothing.
+/// device array of page pointers, `seq_tokens` [batch]. A sequence of 0 tokens (or whose query
+/// sees none) gets a zero output. DecodePlan fixes the split size from the longest sequence
+/// once; run() allocates nothing. Splits wholly outside a query's [pos - window + 1, pos] read
+/// no page (a windowed layer costs its window, not its length).
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 
 #include "kvq/core/softmax.hpp"
@@ -32,7 +39,113 @@
 
 namespace kvq {
 namespace cuda {
+
+/// Element type of the decode query and output.
+enum class IoType : int32_t {
+  kF32 = 0,
+  kF16 = 1,   ///< __half
+  kBF16 = 2,  ///< __nv_bfloat16
+};
+
+/// Logit, masking and I/O options of DecodePlan::run, the decode counterparts of
+/// AttentionOptions (attention/cpu/problem.hpp, attention/cpu/mask.hpp) with the same semantics.
+/// Plain data; the pointers are device pointers (null: off) and are only read by the kernels,
+/// so DecodePlan::check cannot validate their contents.
+struct DecodeOptions {
+  /// Logits are sm_scale * q.k (0 = 1/sqrt(head_dim)). Finite and >= 0.
+  float sm_scale = 0.f;
+  /// Logit soft-capping: logit = softcap * tanh(logit / softcap) after the scale (0 = off).
+  /// Finite and >= 0.
+  float softcap = 0.f;
+  /// Sliding window (0 = none): the query at position p sees only positions (p - window, p].
+  int32_t window = 0;
+  /// Device, [batch]: the kv position of sequence b's query (nullptr: seq_tokens[b] - 1). The
+  /// query sees positions <= its position (causal). Not checked: a position outside
+  /// [0, seq_tokens[b]) applies the same rule to the tokens that exist (the CPU refuses it).
+  const int32_t* positions = nullptr;
+  /// Device, [batch, mask_words] (optional): sequence b's query sees position t only when bit
+  /// t % 64 of mask_bits[b * mask_words + t / 64] is set (combined with causal and window).
+  /// mask_words * 64 must cover max_seq_tokens; positions past mask_words * 64 (a sequence
+  /// longer than the plan's max_seq_tokens) are not seen.
+  const uint64_t* mask_bits = nullptr;
+  int32_t mask_words = 0;
+  /// Device, [q_heads] (optional): attention-sink logits; each adds exp(sink - max) to its
+  /// query head's softmax denominator only (no value). A non-finite sink counts as none (-inf:
+  /// as on the CPU; the CPU refuses NaN and +inf, which the device data cannot be checked for).
+  const float* sinks = nullptr;
+  /// Device, [batch, q_heads] f32 (optional): each row's log-sum-exp over the logits it sees
+  /// (after scale, soft-cap and masks; sink included), natural log; -inf when nothing weighs.
+  float* lse = nullptr;
+  IoType q_type = IoType::kF32;    ///< element type of q
+  IoType out_type = IoType::kF32;  ///< element type of out
+};
+
 namespace detail {
+
+/// What one sequence's decode query sees and how its scores become logits (DecodeOptions,
+/// resolved per sequence): the kernel's per-score rule, host-callable so it is tested without
+/// a GPU against AttentionOptions' semantics.
+struct ScoreRule {
+  float softcap = 0.f;                 ///< 0 = off
+  int64_t pos = 0;                     ///< the query's kv position
+  int64_t window = 0;                  ///< 0 = none
+  const uint64_t* mask_row = nullptr;  ///< the sequence's mask words (null: none)
+  int64_t mask_words = 0;
+
+  /// Clips the positions [a, e) to those causal and window allow, (pos - window, pos] (or
+  /// [0, pos] without a window); a >= e after when none is left. The kernel clips each split
+  /// with it, so a split wholly outside reads no page.
+  KVQ_HOST_DEVICE void clip(int64_t& a, int64_t& e) const {
+    if (e > pos + 1) e = pos + 1;
+    if (window > 0 && a < pos - window + 1) a = pos - window + 1;
+    if (a > e) a = e;
+  }
+  /// The custom mask's verdict for position t >= 0: its bit (positions past the mask's words:
+  /// not seen); true without a mask. The kernel asks it per token of the clipped range.
+  KVQ_HOST_DEVICE bool mask_allows(int64_t t) const {
+    if (mask_row == nullptr) return true;
+    return (t >> 6) < mask_words && ((mask_row[t >> 6] >> (t & 63)) & 1u) != 0;
+  }
+  /// Whether the query sees kv position t >= 0: t <= pos, t > pos - window (window > 0), and
+  /// the mask bit set.
+  KVQ_HOST_DEVICE bool sees(int64_t t) const {
+    int64_t a = t, e = t + 1;
+    clip(a, e);
+    return a < e && mask_allows(t);
+  }
+  /// The logit of a scaled score s: softcap * tanh(s / softcap), or s without a cap.
+  KVQ_HOST_DEVICE float logit(float s) const { return softcap > 0.f ? softcap * tanhf(s / softcap) : s; }
+  /// logit(s) for a position the query sees, -inf (weight 0) otherwise.
+  KVQ_HOST_DEVICE float score(int64_t t, float s) const {
+    return sees(t) ? logit(s) : -INFINITY;
+  }
+};
+
+/// Kernel arguments of the options (DecodeOptions less the merge kernel's).
+struct DecodeRules {
+  float softcap = 0.f;
+  int32_t window = 0;
+  const int32_t* positions = nullptr;
+  const uint64_t* mask_bits = nullptr;
+  int32_t mask_words = 0;
+  int32_t q_type = 0;  ///< IoType
+};
+
+__device__ __forceinline__ float load_io(const void* p, int32_t type, int64_t i) {
+  if (type == static_cast<int32_t>(IoType::kF16)) return __half2float(static_cast<const __half*>(p)[i]);
+  if (type == static_cast<int32_t>(IoType::kBF16))
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+__device__ __forceinline__ void store_io(void* p, int32_t type, int64_t i, float x) {
+  if (type == static_cast<int32_t>(IoType::kF16)) {
+    static_cast<__half*>(p)[i] = __float2half_rn(x);
+  } else if (type == static_cast<int32_t>(IoType::kBF16)) {
+    static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(x);
+  } else {
+    static_cast<float*>(p)[i] = x;
+  }
+}
 
 inline constexpr int kDecodeWarps = 4;
 inline constexpr int kMaxGroupPerCta = 8;  ///< query heads per CTA at most (GM of the tiled kernel)
@@ -326,16 +439,19 @@ __device__ __forceinline__ void vec_decode(const VecInfo& vi, const TensorDesc& 
 /// kDecodeWarps * 32, dynamic shared memory 2 * TT * (k row + v row bytes of staged kinds).
 /// LPT: lanes per token (a power of two, 8 * LPT >= head_dim); GM: query heads per CTA (>= this
 /// launch's per-CTA group). TT: tokens per tile, a multiple of kDecodeWarps * kDecodeNs * 32 /
-/// LPT. Writes the split's (m, l, acc) as decode_merge_kernel reads them.
+/// LPT. Writes the split's (m, l, acc) as decode_merge_kernel reads them. The split's tokens
+/// are clipped to the query's causal window [pos - window + 1, pos] first (a split wholly
+/// outside reads no page and writes an empty partial: m = -inf, l = 0); inside, each token goes
+/// through ScoreRule (causal, window, mask bits, soft-cap).
 inline constexpr int kDecodeNs = 4;  ///< warp steps per online-softmax update
 
 template <int LPT, int GM>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     decode_tile_kernel(const __grid_constant__ PagedDesc L, VecInfo kvi, VecInfo vvi, int TT,
-                       const float* q, const std::byte* const* pages, const int32_t* page_indptr,
+                       const void* q, const std::byte* const* pages, const int32_t* page_indptr,
                        const int32_t* seq_tokens, int q_heads, int group, int gm_per_cta,
                        int split_tokens, int splits, int p_shift, float sm_scale,
-                       float* part_acc, float* part_ml) {
+                       DecodeRules rules, float* part_acc, float* part_ml) {
   constexpr int TPW = 32 / LPT;  // tokens per warp step
   constexpr int NS = kDecodeNs;
   extern __shared__ __align__(16) uint8_t tile_s[];
@@ -358,8 +474,27 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const int slot = lane / LPT;  // token group within the warp step
   const int d0 = sub * 8;
   const int T = seq_tokens[b];
-  const int t_begin = s * split_tokens;
-  const int t_end = (s == splits - 1) ? T : min(T, t_begin + split_tokens);
+  ScoreRule rule;
+  rule.softcap = rules.softcap;
+  rule.pos = rules.positions != nullptr ? rules.positions[b] : T - 1;
+  rule.window = rules.window;
+  rule.mask_words = rules.mask_words;
+  if (rules.mask_bits != nullptr)
+    rule.mask_row = rules.mask_bits + static_cast<int64_t>(b) * rules.mask_words;
+  // This split's tokens, clipped to what causal and window allow (64-bit: positions are
+  // unchecked); inside, only the mask is asked per token.
+  int64_t a = static_cast<int64_t>(s) * split_tokens;
+  int64_t e = (s == splits - 1 || a + split_tokens > T) ? T : a + split_tokens;
+  rule.clip(a, e);
+  const int t_begin = static_cast<int>(a), t_end = static_cast<int>(e);
+  if (t_begin >= t_end) {  // nothing to see here: an empty partial, no page read
+    for (int g = threadIdx.x; g < G; g += blockDim.x) {
+      const int64_t base = (static_cast<int64_t>(b) * q_heads + hk * group + g0 + g) * splits + s;
+      part_ml[base * 2] = -INFINITY;
+      part_ml[base * 2 + 1] = 0.f;
+    }
+    return;
+  }
   const std::byte* const* seq_pages = pages + page_indptr[b];
   const int kmb = (hk / kvi.gh) * kvi.nc + d0 / kvi.gc;
   const int vmb = (hk / vvi.gh) * vvi.nc + d0 / vvi.gc;
@@ -369,7 +504,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   for (int g = 0; g < GM; ++g) {
     const int hq = hk * group + g0 + g;
     for (int d = threadIdx.x; d < 8 * LPT; d += blockDim.x)
-      q_s[g][d] = (g < G && d < D) ? q[(static_cast<int64_t>(b) * q_heads + hq) * D + d] : 0.f;
+      q_s[g][d] = (g < G && d < D)
+                      ? load_io(q, rules.q_type, (static_cast<int64_t>(b) * q_heads + hq) * D + d)
+                      : 0.f;
   }
   __syncthreads();
   if (L.k.is_lm()) {
@@ -463,7 +600,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 #pragma unroll
       for (int i = 0; i < NS; ++i) {
         const int tt = tt0 + i * TPW + slot;
-        const bool valid = t0 + tt < t_end;
+        const bool valid = t0 + tt < t_end && rule.mask_allows(t0 + tt);
         float kx[8];
         if (valid && d0 < D) {
           int tp;
@@ -480,7 +617,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
           for (int j = 0; j < 8; ++j) part = fmaf(qr[g][j], kx[j], part);
 #pragma unroll
           for (int o = LPT / 2; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-          sc[i][g] = valid ? part : -INFINITY;
+          sc[i][g] = valid ? rule.logit(part) : -INFINITY;
           cmax[g] = fmaxf(cmax[g], sc[i][g]);
         }
       }
@@ -490,22 +627,27 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
 #pragma unroll
         for (int o = 16; o >= LPT; o >>= 1)
           cmax[g] = fmaxf(cmax[g], __shfl_xor_sync(0xffffffffu, cmax[g], o));
-        const float mn = fmaxf(m[g], cmax[g]);  // finite: token tt0 is in the split
-        const float corr = __expf(m[g] - mn);    // 0 on the first update (m = -inf)
+        const float mn = fmaxf(m[g], cmax[g]);
+        if (mn == -INFINITY) {  // nothing seen yet (masked): exp(-inf - -inf) would be NaN
+#pragma unroll
+          for (int i = 0; i < NS; ++i) sc[i][g] = 0.f;
+          continue;
+        }
+        const float corr = __expf(m[g] - mn);  // 0 on the first update (m = -inf)
         m[g] = mn;
         l[g] *= corr;
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[g][j] *= corr;
 #pragma unroll
         for (int i = 0; i < NS; ++i) {
-          sc[i][g] = __expf(sc[i][g] - mn);  // 0 for tokens past the split
+          sc[i][g] = __expf(sc[i][g] - mn);  // 0 for tokens past the split or not seen
           l[g] += sc[i][g];
         }
       }
 #pragma unroll
       for (int i = 0; i < NS; ++i) {
         const int tt = tt0 + i * TPW + slot;
-        if (t0 + tt >= t_end || d0 >= D) continue;
+        if (t0 + tt >= t_end || d0 >= D || !rule.mask_allows(t0 + tt)) continue;
         int tp;
         const uint8_t* pg = page_of(t0 + tt, &tp);
         float vx[8];
@@ -568,9 +710,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   }
 }
 
-/// Merge kernel. grid = (q_heads, batch), block = 128. out: [batch, q_heads, D] f32.
+/// Merge kernel. grid = (q_heads, batch), block = 128. out: [batch, q_heads, D] of out_type;
+/// sinks ([q_heads], optional) join the denominator as on the CPU (attention/cpu/merge.hpp): the
+/// common maximum M includes the sink, and a row that sees no token but has a sink is zeros
+/// with lse = sink.
 __global__ void decode_merge_kernel(PagedDesc L, int q_heads, int splits, const float* part_acc,
-                                    const float* part_ml, float* out, float* lse) {
+                                    const float* part_ml, const float* sinks, void* out,
+                                    int32_t out_type, float* lse) {
   __shared__ float x[kMaxHeadDim];
   __shared__ float scale_s;
   const int D = static_cast<int>(L.D);
@@ -580,7 +726,9 @@ __global__ void decode_merge_kernel(PagedDesc L, int q_heads, int splits, const 
   // the non-empty ones and each contributes with its weight() (the CPU merge does the same).
   const auto split_state = [ml](int s) { return SoftmaxState<float>{ml[2 * s], ml[2 * s + 1]}; };
   const auto exact_exp = [](float x) { return expf(x); };
-  float M = -INFINITY;
+  const float sink = sinks != nullptr ? sinks[blockIdx.x] : -INFINITY;
+  const bool has_sink = isfinite(sink);
+  float M = has_sink ? sink : -INFINITY;
   for (int s = 0; s < splits; ++s)
     if (split_state(s).l > 0.f) M = fmaxf(M, split_state(s).m);
   if (threadIdx.x == 0) {
@@ -589,6 +737,7 @@ __global__ void decode_merge_kernel(PagedDesc L, int q_heads, int splits, const 
       const SoftmaxState<float> st = split_state(s);
       if (st.l > 0.f) Lsum += st.l * st.weight(M, exact_exp);
     }
+    if (has_sink) Lsum += expf(sink - M);  // denominator only: no value
     scale_s = Lsum > 0.f ? 1.0f / Lsum : 0.f;
     if (lse != nullptr) lse[row] = Lsum > 0.f ? M + logf(Lsum) : -INFINITY;
   }
@@ -603,7 +752,7 @@ __global__ void decode_merge_kernel(PagedDesc L, int q_heads, int splits, const 
   }
   __syncthreads();
   if (L.v.is_lm()) block_rotate(x, D, L.v, true);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) out[row * D + d] = x[d];
+  for (int d = threadIdx.x; d < D; d += blockDim.x) store_io(out, out_type, row * D + d, x[d]);
 }
 
 }  // namespace detail
@@ -618,7 +767,7 @@ class DecodePlan {
   /// cannot read (make_paged_desc) and head_dim > 256, kInvalidArgument for bad shapes.
   DecodePlan(const PageLayout& layout, int64_t batch, int64_t q_heads, int64_t max_seq_tokens,
              int64_t split_tokens = 0, int sm_count = 0)
-      : L_(make_paged_desc(layout)), batch_(batch), q_heads_(q_heads) {
+      : L_(make_paged_desc(layout)), batch_(batch), q_heads_(q_heads), max_tokens_(max_seq_tokens) {
     KVQ_REQUIRE(L_.D <= kMaxHeadDim, kUnsupported, "cuda::DecodePlan: head_dim ", L_.D,
                 " exceeds the kernel's ", kMaxHeadDim);
     KVQ_REQUIRE(batch >= 1 && batch <= 65535, kInvalidArgument,
@@ -659,21 +808,65 @@ class DecodePlan {
     return static_cast<std::size_t>(batch_ * q_heads_ * splits_ * (L_.D + 2)) * sizeof(float);
   }
 
-  /// q: [batch, q_heads, head_dim] f32 (device); pages: device array of device page pointers,
-  /// sequence b's pages at [page_indptr[b], page_indptr[b + 1]); seq_tokens[b] tokens each
-  /// (every page full but the last); out: [batch, q_heads, head_dim] f32. sm_scale <= 0 means
-  /// 1/sqrt(head_dim). lse (optional, device, [batch, q_heads] f32): each row's log-sum-exp of
-  /// its scaled scores, natural log, as AttentionOptions::lse on the CPU, so a caller merges
-  /// this output exactly with attention over rows kept elsewhere (f32 sinks, the residual
-  /// window): out = sum_i exp(lse_i - lse) out_i. A sequence with no tokens gives zeros and
-  /// lse -inf (attend_batch on the CPU does the same). Asynchronous on `stream`, no allocation.
-  void run(void* workspace, const float* q, const std::byte* const* pages,
-           const int32_t* page_indptr, const int32_t* seq_tokens, float* out,
-           cudaStream_t stream = nullptr, float sm_scale = 0.f, float* lse = nullptr) const {
+  /// Throws kInvalidArgument, naming the field, for options run() cannot take: a scale or
+  /// soft-cap that is not finite and >= 0, a negative window, mask_bits without mask_words >= 1
+  /// (or mask_words without mask_bits), mask words that do not cover max_seq_tokens, an unknown
+  /// IoType. Host only, no device call (the device arrays' contents are not read).
+  void check(const DecodeOptions& opt) const {
+    KVQ_REQUIRE(std::isfinite(opt.sm_scale) && opt.sm_scale >= 0.f, kInvalidArgument,
+                "cuda::DecodePlan::run: sm_scale must be finite and >= 0 (0 = 1/sqrt(head_dim)), "
+                "got ", opt.sm_scale);
+    KVQ_REQUIRE(std::isfinite(opt.softcap) && opt.softcap >= 0.f, kInvalidArgument,
+                "cuda::DecodePlan::run: softcap must be finite and >= 0 (0 = off), got ",
+                opt.softcap);
+    KVQ_REQUIRE(opt.window >= 0, kInvalidArgument,
+                "cuda::DecodePlan::run: window must be >= 0 (0 = none), got ", opt.window);
+    if (opt.mask_bits != nullptr) {
+      KVQ_REQUIRE(opt.mask_words >= 1, kInvalidArgument,
+                  "cuda::DecodePlan::run: mask_bits is set but mask_words=", opt.mask_words,
+                  " (must be >= 1)");
+      KVQ_REQUIRE(int64_t{opt.mask_words} * 64 >= max_tokens_, kInvalidArgument,
+                  "cuda::DecodePlan::run: mask_words=", opt.mask_words, " covers ",
+                  int64_t{opt.mask_words} * 64, " positions, but the plan's max_seq_tokens is ",
+                  max_tokens_, " (needs >= ", (max_tokens_ + 63) / 64, ")");
+    } else {
+      KVQ_REQUIRE(opt.mask_words == 0, kInvalidArgument, "cuda::DecodePlan::run: mask_words=",
+                  opt.mask_words, " is set but mask_bits is null");
+    }
+    const auto known = [](IoType t) {
+      return t == IoType::kF32 || t == IoType::kF16 || t == IoType::kBF16;
+    };
+    KVQ_REQUIRE(known(opt.q_type), kInvalidArgument, "cuda::DecodePlan::run: q_type ",
+                static_cast<int>(opt.q_type), " is not an IoType");
+    KVQ_REQUIRE(known(opt.out_type), kInvalidArgument, "cuda::DecodePlan::run: out_type ",
+                static_cast<int>(opt.out_type), " is not an IoType");
+  }
+
+  /// q: [batch, q_heads, head_dim] of opt.q_type (device); pages: device array of device page
+  /// pointers, sequence b's pages at [page_indptr[b], page_indptr[b + 1]); seq_tokens[b] tokens
+  /// each (every page full but the last); out: [batch, q_heads, head_dim] of opt.out_type.
+  /// Logits, masks, sinks and lse as DecodeOptions describes (check() first). opt.lse lets a
+  /// caller merge this output exactly with attention over rows kept elsewhere (f32 sinks, the
+  /// residual window): out = sum_i exp(lse_i - lse) out_i. A sequence whose query sees no token
+  /// (0 tokens, or masks excluding all) gives zeros and lse -inf, or lse = its sink logit
+  /// (attend_batch on the CPU does the same). Asynchronous on `stream`, no allocation.
+  void run(void* workspace, const void* q, const std::byte* const* pages,
+           const int32_t* page_indptr, const int32_t* seq_tokens, void* out,
+           const DecodeOptions& opt, cudaStream_t stream = nullptr) const {
     KVQ_REQUIRE(workspace != nullptr && q != nullptr && pages != nullptr &&
                     page_indptr != nullptr && seq_tokens != nullptr && out != nullptr,
                 kInvalidArgument, "cuda::DecodePlan::run: null device pointer");
-    if (!(sm_scale > 0.f)) sm_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(L_.D)));
+    check(opt);
+    const float sm_scale = opt.sm_scale > 0.f
+                               ? opt.sm_scale
+                               : static_cast<float>(1.0 / std::sqrt(static_cast<double>(L_.D)));
+    detail::DecodeRules rules;
+    rules.softcap = opt.softcap;
+    rules.window = opt.window;
+    rules.positions = opt.positions;
+    rules.mask_bits = opt.mask_bits;
+    rules.mask_words = opt.mask_words;
+    rules.q_type = static_cast<int32_t>(opt.q_type);
     float* part_acc = static_cast<float*>(workspace);
     float* part_ml = part_acc + batch_ * q_heads_ * splits_ * L_.D;
     const int gm = group_ <= 4 ? static_cast<int>(group_) : detail::kMaxGroupPerCta;
@@ -700,7 +893,7 @@ class DecodePlan {
       kernel<<<grid, detail::kDecodeWarps * 32, smem, stream>>>(
           L_, kvi, vvi, tt, q, pages, page_indptr, seq_tokens, static_cast<int>(q_heads_),
           static_cast<int>(group_), gm, static_cast<int>(split_), static_cast<int>(splits_),
-          p_shift, sm_scale, part_acc, part_ml);
+          p_shift, sm_scale, rules, part_acc, part_ml);
     };
     auto by_shape = [&](auto lpt_tag) {
       constexpr int LPT = decltype(lpt_tag)::value;
@@ -719,14 +912,27 @@ class DecodePlan {
     detail::check_launch("kvq::cuda::decode_tile_kernel");
     detail::decode_merge_kernel<<<dim3(static_cast<unsigned>(q_heads_), static_cast<unsigned>(batch_)),
                                   128, 0, stream>>>(L_, static_cast<int>(q_heads_),
-                                                    static_cast<int>(splits_), part_acc, part_ml, out,
-                                                    lse);
+                                                    static_cast<int>(splits_), part_acc, part_ml,
+                                                    opt.sinks, out,
+                                                    static_cast<int32_t>(opt.out_type), opt.lse);
     detail::check_launch("kvq::cuda::decode_merge_kernel");
+  }
+
+  /// The f32 form (no masks): run(..., DecodeOptions{sm_scale, lse}). sm_scale <= 0 means
+  /// 1/sqrt(head_dim); lse optional ([batch, q_heads] f32, device).
+  void run(void* workspace, const float* q, const std::byte* const* pages,
+           const int32_t* page_indptr, const int32_t* seq_tokens, float* out,
+           cudaStream_t stream = nullptr, float sm_scale = 0.f, float* lse = nullptr) const {
+    DecodeOptions opt;
+    opt.sm_scale = sm_scale > 0.f ? sm_scale : 0.f;
+    opt.lse = lse;
+    run(workspace, static_cast<const void*>(q), pages, page_indptr, seq_tokens,
+        static_cast<void*>(out), opt, stream);
   }
 
  private:
   PagedDesc L_;
-  int64_t batch_, q_heads_, group_ = 1, split_ = 0, splits_ = 1;
+  int64_t batch_, q_heads_, max_tokens_, group_ = 1, split_ = 0, splits_ = 1;
 };
 
 }  // namespace cuda
