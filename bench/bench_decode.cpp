@@ -9,6 +9,9 @@
 //   BM_StreamRead/<bytes>         sum of <bytes> bytes as 64-bit words (the bandwidth ceiling
 //                                 for a kernel that reads that many bytes once), one per
 //                                 decode size.
+//   BM_StreamRead/<bytes>/threads:<n>   the largest of those sizes read by n = 1 or 2
+//                                 std::threads at once, each its own buffer (wall-clock time;
+//                                 bytes = all threads'): the bandwidth two workers share.
 //   BM_Prefill/<policy>/<chunk>   attend of <chunk> causal queries at the newest positions of
 //                                 a 2048-token cache; items/s = queries per second.
 //   BM_FmaPeak                    the compute ceiling: fp32 FMAs per second (items/s) of one
@@ -36,6 +39,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -280,6 +284,31 @@ void BM_StreamRead(benchmark::State& state, int64_t bytes) {
   state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * bytes);
 }
 
+/// BM_StreamRead over `threads` buffers of `bytes` each, one std::thread per buffer, all reading
+/// at once: the memory bandwidth the batch decode's workers share. Timed in wall-clock time
+/// (the workers' CPU time is not the caller's); bytes = all threads' bytes.
+void BM_StreamReadThreads(benchmark::State& state, int64_t bytes, int threads) {
+  std::vector<std::vector<uint64_t>> bufs(static_cast<std::size_t>(threads));
+  for (auto& buf : bufs) {
+    buf.resize(static_cast<std::size_t>((bytes + 7) / 8));
+    for (std::size_t i = 0; i < buf.size(); ++i) buf[i] = i * 0x9e3779b97f4a7c15ull;
+  }
+  std::vector<uint64_t> sums(bufs.size() * 8);  // one cache line per thread
+  for (auto _ : state) {
+    std::vector<std::thread> workers;
+    for (std::size_t t = 0; t < bufs.size(); ++t)
+      workers.emplace_back([&bufs, &sums, t] {
+        uint64_t s = 0;
+        for (uint64_t w : bufs[t]) s += w;
+        sums[t * 8] = s;
+      });
+    for (auto& w : workers) w.join();
+    benchmark::DoNotOptimize(sums.data());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(state.iterations()) * bytes * threads);
+}
+
 void BM_Prefill(benchmark::State& state, std::string policy, int64_t chunk) {
   const kvq::KVCache& c = cache_for(policy, kPrefillContext);
   const std::vector<float> q =
@@ -405,6 +434,14 @@ int register_all() {
   for (int64_t b : sizes)
     benchmark::RegisterBenchmark(("BM_StreamRead/" + std::to_string(b)).c_str(),
                                  [b](benchmark::State& s) { BM_StreamRead(s, b); })
+        ->Unit(benchmark::kMillisecond);
+  // the largest size again on 1 and 2 threads at once (same wall-clock timing for both)
+  for (int th : {1, 2})
+    benchmark::RegisterBenchmark(
+        ("BM_StreamRead/" + std::to_string(*sizes.rbegin()) + "/threads:" + std::to_string(th))
+            .c_str(),
+        [b = *sizes.rbegin(), th](benchmark::State& s) { BM_StreamReadThreads(s, b, th); })
+        ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   for (const char* p : kPolicies)
     for (int64_t c : kPrefillChunks)
