@@ -20,6 +20,9 @@
 //                                 BM_Decode's counter fma_per_token (2 x query heads x head_dim:
 //                                 a query-key dot product and a weighted value row per query
 //                                 head) turns its tokens/s into a fraction of that ceiling.
+//   BM_FmaPeak/threads:<n>        the same chains on n = 1 or 2 std::threads at once (wall-clock
+//                                 time; items = all threads' FMAs): the compute two workers
+//                                 share.
 // Besides the presets, BM_Decode/<name>/32768 for KVQuant-style caches (kExtraPolicies): nuq
 // codebooks (calibrated once on other synthetic data) and 1% dense-and-sparse outliers, both
 // read in the fused kernels.
@@ -256,21 +259,40 @@ FmaVec fma_splat(float x) { return x; }
 FmaVec fma_step(FmaVec v, FmaVec a, FmaVec b) { return std::fma(v, a, b); }
 #endif
 
-/// fp32 FMA throughput of one thread: kChains independent accumulators (more than latency x
-/// FMA ports on the hosts seen), each x = x * a + b, which stays near 1 (no denormals, no inf).
-void BM_FmaPeak(benchmark::State& state) {
-  constexpr int kChains = 12, kSteps = 1024;
-  FmaVec acc[kChains];
+/// kSteps x kChains FMAs on independent accumulators (more than latency x FMA ports on the
+/// hosts seen), each x = x * a + b, which stays near 1 (no denormals, no inf).
+constexpr int kFmaChains = 12;
+void fma_chains(int64_t steps) {
+  FmaVec acc[kFmaChains];
   for (auto& v : acc) v = fma_splat(1.f);
   FmaVec a = fma_splat(0.999f), b = fma_splat(0.001f);
   benchmark::DoNotOptimize(a);  // no constant folding
   benchmark::DoNotOptimize(b);
+  for (int64_t i = 0; i < steps; ++i)
+    for (auto& v : acc) v = fma_step(v, a, b);
+  for (auto& v : acc) benchmark::DoNotOptimize(v);
+}
+
+/// fp32 FMA throughput of one thread.
+void BM_FmaPeak(benchmark::State& state) {
+  constexpr int64_t kSteps = 1024;
+  for (auto _ : state) fma_chains(kSteps);
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * kSteps * kFmaChains *
+                          kFmaLanes);
+}
+
+/// The same FMA chains on `threads` std::threads at once, wall-clock time, items = all threads'
+/// FMAs: the compute two workers share (two vCPUs that are one core's SMT siblings share its
+/// FMA ports and read about 1x here; two cores read about 2x).
+void BM_FmaPeakThreads(benchmark::State& state, int threads) {
+  constexpr int64_t kSteps = 1 << 21;  // 5-10 ms per thread: thread start-up is noise
   for (auto _ : state) {
-    for (int i = 0; i < kSteps; ++i)
-      for (auto& v : acc) v = fma_step(v, a, b);
-    for (auto& v : acc) benchmark::DoNotOptimize(v);
+    std::vector<std::thread> workers;
+    for (int t = 0; t < threads; ++t) workers.emplace_back([] { fma_chains(kSteps); });
+    for (auto& w : workers) w.join();
   }
-  state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * kSteps * kChains * kFmaLanes);
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations()) * threads * kSteps *
+                          kFmaChains * kFmaLanes);
 }
 
 void BM_StreamRead(benchmark::State& state, int64_t bytes) {
@@ -431,6 +453,11 @@ int register_all() {
             })
             ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("BM_FmaPeak", BM_FmaPeak);
+  for (int th : {1, 2})
+    benchmark::RegisterBenchmark(("BM_FmaPeak/threads:" + std::to_string(th)).c_str(),
+                                 [th](benchmark::State& s) { BM_FmaPeakThreads(s, th); })
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
   for (int64_t b : sizes)
     benchmark::RegisterBenchmark(("BM_StreamRead/" + std::to_string(b)).c_str(),
                                  [b](benchmark::State& s) { BM_StreamRead(s, b); })
