@@ -31,6 +31,8 @@
 //                                 sequences of <tokens> tokens each, their pages copied into one
 //                                 pool (distinct bytes per sequence), <n> workers (std::threads).
 //                                 items/s = cached tokens attended per second over the batch.
+//   BM_DecodeBatch/<policy>/<seqs>x<tokens>/pool:2   the same with 2 workers of a
+//                                 kvq::WorkerPool (persistent threads, woken per call).
 // kvq_bench_report turns these into fractions of the stream bandwidth and speedups over f16.
 #include <benchmark/benchmark.h>
 
@@ -48,6 +50,7 @@
 
 #include "bench_common.hpp"
 #include "kvq/attention/attention.hpp"
+#include "kvq/attention/worker_pool.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/policy/spec.hpp"
 #include "kvq/policy/calibrate.hpp"
@@ -222,7 +225,7 @@ const BatchInput& batch_for(const std::string& policy, int64_t seqs, int64_t tok
 }
 
 void BM_DecodeBatch(benchmark::State& state, std::string policy, int64_t seqs, int64_t tokens,
-                    int threads) {
+                    int threads, bool pool) {
   const BatchInput& in = batch_for(policy, seqs, tokens);
   const std::vector<float> q =
       kvq_bench::make_input(static_cast<std::size_t>(seqs) * kQueryHeads * kDim, 5);
@@ -232,6 +235,11 @@ void BM_DecodeBatch(benchmark::State& state, std::string policy, int64_t seqs, i
   kvq::BatchAttentionWorkspace ws;
   kvq::AttentionOptions opt;
   opt.threads = threads;
+  std::unique_ptr<kvq::WorkerPool> workers;
+  if (pool) {  // persistent workers instead of std::threads started per call
+    workers = std::make_unique<kvq::WorkerPool>(threads);
+    workers->configure(opt);
+  }
   kvq::attend_batch(in.b, qv, ov, true, ws, nullptr, opt);  // sizes the workspace
   for (auto _ : state) {
     kvq::attend_batch(in.b, qv, ov, true, ws, nullptr, opt);
@@ -443,13 +451,14 @@ int register_all() {
   }
   for (const char* p : {"f16", "k8v4", "kivi4"})
     for (const auto& st : {std::pair<int64_t, int64_t>{16, 2048}, {4, 32768}, {1, 32768}, {1, 2048}})
-      for (int th : {1, 2})
+      for (int th : {1, 2, -2})  // -2: two workers of a kvq::WorkerPool (".../pool:2")
         benchmark::RegisterBenchmark(
             ("BM_DecodeBatch/" + std::string(p) + "/" + std::to_string(st.first) + "x" +
-             std::to_string(st.second) + "/threads:" + std::to_string(th))
+             std::to_string(st.second) + (th > 0 ? "/threads:" : "/pool:") +
+             std::to_string(th > 0 ? th : -th))
                 .c_str(),
             [p = std::string(p), st, th](benchmark::State& s) {
-              BM_DecodeBatch(s, p, st.first, st.second, th);
+              BM_DecodeBatch(s, p, st.first, st.second, th > 0 ? th : -th, th < 0);
             })
             ->Unit(benchmark::kMillisecond);
   benchmark::RegisterBenchmark("BM_FmaPeak", BM_FmaPeak);

@@ -14,8 +14,8 @@
 // Then the batched decode an engine runs per step: --seqs sequences of different lengths (one
 // KVCache each), every layer of every step appends one token to each and attends all of them
 // in ONE kvq::attend_batch call over their page tables (pages by pointer, sink and residual
-// rows as f32), on --threads workers; each sequence's rows are checked bit for bit against
-// kvq::attend on its own cache, and the bytes of each sequence are printed.
+// rows as f32), on --threads workers of a kvq::WorkerPool; each sequence's rows are checked
+// bit for bit against kvq::attend on its own cache, and the bytes of each sequence are printed.
 //
 // Then prefix sharing: --seqs sequences (at least 2) forked from one cache holding a shared
 // --prefill-token prefix (KVCache::fork shares its pages), each decoding --decode steps of its
@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "kvq/attention/attention.hpp"
+#include "kvq/attention/worker_pool.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/core/error.hpp"
 #include "kvq/policy/spec.hpp"
@@ -66,7 +67,7 @@ const char* const kUsage =
     "  --decode   decode steps (default 64)   --seed      data seed (default 1)\n"
     "  --seqs     sequences of the batched decode and of the prefix sharing (default 3; 0 skips\n"
     "             both; prefix sharing forks at least 2)\n"
-    "  --threads  attention threads of the batched decode (default 1)\n";
+    "  --threads  attention workers of the batched decode, a kvq::WorkerPool (default 1)\n";
 
 [[noreturn]] void usage_error(const std::string& msg) {
   std::fprintf(stderr, "kvq_engine_demo: error: %s\n%s", msg.c_str(), kUsage);
@@ -268,7 +269,10 @@ void run_batch(const Options& o, const kvq::Policy& policy) {
   kvq::BatchAttentionWorkspace bws;
   kvq::AttentionWorkspace ws;
   kvq::AttentionOptions opt;
-  opt.threads = o.threads;
+  // The engine's persistent workers (kvq::WorkerPool when it has no pool of its own): started
+  // once, woken by every attend_batch call, instead of std::threads started per call.
+  kvq::WorkerPool workers(o.threads);
+  workers.configure(opt);
   std::vector<float> out(static_cast<std::size_t>(B * QH * D)), one(static_cast<std::size_t>(QH * D));
   double batch_s = 0;
   bool identical = true;

@@ -180,7 +180,8 @@ int decode_table(std::map<std::string, std::vector<double>>& bps,
 }
 
 /// BM_DecodeBatch/<policy>/<seqs>x<tokens>/threads:<n>: cached tokens/s at each thread count
-/// and the scaling over one thread. Targets (issue 30): 2 threads >= 1.8x one thread for the
+/// and the scaling over one thread; .../pool:2 (2 workers of a kvq::WorkerPool) in two more
+/// columns when the run has them. Targets (issue 30): 2 threads >= 1.8x one thread for the
 /// 16x2048 batch and for one 32768-token sequence (1x32768). Returns targets missed.
 int batch_table(std::map<std::string, std::vector<double>>& ips,
                 std::map<std::string, std::vector<double>>& bps) {
@@ -211,9 +212,16 @@ int batch_table(std::map<std::string, std::vector<double>>& ips,
   if ((stream.count(1) && stream.count(2)) || (fma.count(1) && fma.count(2))) std::printf("\n");
   // "<policy>/<shape>" -> threads -> median tokens/s
   std::map<std::string, std::map<int, double>> rows;
+  // "<policy>/<shape>" -> median tokens/s with 2 workers of a kvq::WorkerPool (".../pool:2")
+  std::map<std::string, double> pool2;
   for (const auto& kv : ips) {
     const std::string& n = kv.first;
     if (n.rfind("BM_DecodeBatch/", 0) != 0) continue;
+    const auto pat = n.rfind("/pool:2");
+    if (pat != std::string::npos) {
+      pool2[n.substr(15, pat - 15)] = median(kv.second);
+      continue;
+    }
     const auto at = n.rfind("/threads:");
     if (at == std::string::npos) continue;
     rows[n.substr(15, at - 15)][std::atoi(n.c_str() + at + 9)] = median(kv.second);
@@ -224,8 +232,11 @@ int batch_table(std::map<std::string, std::vector<double>>& ips,
     for (const auto& t : r.second) most = std::max(most, t.first);
   std::printf("| batch decode | tokens/s at 1 thread |");
   for (int t = 2; t <= most; ++t) std::printf(" %d threads | scaling |", t);
+  const bool pools = !pool2.empty();
+  if (pools) std::printf(" 2 workers, WorkerPool | scaling |");
   std::printf(" target |\n|---|---|");
   for (int t = 2; t <= most; ++t) std::printf("---|---|");
+  if (pools) std::printf("---|---|");
   std::printf("---|\n");
   int missed = 0;
   for (const auto& r : rows) {
@@ -244,6 +255,14 @@ int batch_table(std::map<std::string, std::vector<double>>& ips,
       // two decimals rounded down, so that a miss by less than 0.005 does not print as 1.80x
       std::printf(" %lld | %.2fx |", static_cast<long long>(it->second),
                   std::floor(sc * 100 + 1e-9) / 100);
+    }
+    if (pools) {
+      const auto it = pool2.find(r.first);
+      if (it == pool2.end() || one == r.second.end())
+        std::printf(" ? | ? |");
+      else
+        std::printf(" %lld | %.2fx |", static_cast<long long>(it->second),
+                    std::floor(it->second / one->second * 100 + 1e-9) / 100);
     }
     std::string target;
     const std::string shape = r.first.substr(r.first.find('/') + 1);

@@ -28,6 +28,7 @@
 #include "kvq/policy/plan.hpp"    // the budget planner's allocation
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/attention/attention.hpp"
+#include "kvq/attention/worker_pool.hpp"
 #include "kvq/layout/page_layout.hpp"
 #include "kvq/cache/page_arena.hpp"
 #include "kvq/io/kv_dump.hpp"

@@ -14,6 +14,8 @@
 //   - parse_policy / spec() (pure functions);
 //   - attention that itself runs on several threads (AttentionOptions::threads > 1, or a
 //     caller's parallel_for), attend and attend_batch, from several outer threads at once;
+//   - one kvq::WorkerPool shared by several callers (their runs are served one at a time), and
+//     a WorkerPool run from inside one of its own bodies (inline);
 //   - several threads reading one ArchiveReader, or each its own (concurrent_archive_readers.hpp;
 //     test_concurrency_portable_io runs the same on the portable, non-POSIX file path).
 // Not allowed (not tested: undefined behaviour): a non-const KVCache call (append, truncate,
@@ -22,6 +24,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <stdexcept>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -30,6 +34,7 @@
 #include <vector>
 
 #include "kvq/attention/attention.hpp"
+#include "kvq/attention/worker_pool.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/policy/spec.hpp"
 #include "kvq/quant/quantize.hpp"
@@ -280,6 +285,93 @@ TEST(Concurrency, AttentionOnWorkerThreadsFromSeveralCallers) {
     got[i] = attention_view(cs, bs, opt);
   });
   for (int i = 0; i < kThreads; ++i) EXPECT_TRUE(same_bits(got[i], expect)) << "caller " << i;
+}
+
+TEST(Concurrency, OneWorkerPoolSharedBySeveralCallers) {
+  const kvq::KVCache a = filled_cache("kivi2,sinks=4", 61), b = filled_cache("k8v4", 62),
+                     c = filled_cache("fp8", 63);
+  const kvq::KVCache a2 = filled_cache("kivi2,sinks=4", 64), a3 = filled_cache("kivi2,sinks=4", 65);
+  const std::vector<const kvq::KVCache*> cs = {&a, &b, &c}, bs = {&a, &a2, &a3};
+  kvq::AttentionOptions one;
+  one.split_tokens = 16;
+  const std::vector<float> expect = attention_view(cs, bs, one);
+  kvq::WorkerPool pool(3);
+  std::vector<std::vector<float>> got(kThreads);
+  run_together([&](int i) {
+    kvq::AttentionOptions opt = one;
+    pool.configure(opt);
+    for (int rep = 0; rep < 3; ++rep) got[i] = attention_view(cs, bs, opt);
+  });
+  for (int i = 0; i < kThreads; ++i) EXPECT_TRUE(same_bits(got[i], expect)) << "caller " << i;
+}
+
+// WorkerPool::run's contract, checked with counters the pool does not see: every index runs
+// exactly once, index 0 on the calling thread, never two bodies of one index at once; it
+// returns only after every body has returned; a body's exception comes back from run() after
+// the others finished, and the pool serves the next run; a nested run goes inline.
+TEST(Concurrency, WorkerPoolRunsEveryIndexOnce) {
+  for (int threads : {1, 2, 3, 5}) {
+    kvq::WorkerPool pool(threads);
+    EXPECT_EQ(pool.threads(), threads);
+    for (int64_t n : {0, 1, 2, 3, 7, 64}) {
+      for (int rep = 0; rep < 200; ++rep) {
+        std::vector<std::atomic<int>> hits(static_cast<std::size_t>(n));
+        for (auto& h : hits) h.store(0);
+        std::thread::id zero;
+        std::atomic<int> running{0};
+        pool.run(n, [&](int64_t k) {
+          running.fetch_add(1);
+          if (k == 0) zero = std::this_thread::get_id();
+          hits[static_cast<std::size_t>(k)].fetch_add(1);
+          running.fetch_sub(1);
+        });
+        EXPECT_EQ(running.load(), 0);  // nothing still running after run() returned
+        for (int64_t k = 0; k < n; ++k)
+          ASSERT_EQ(hits[static_cast<std::size_t>(k)].load(), 1)
+              << "threads " << threads << " n " << n << " index " << k;
+        if (n > 0) {
+          EXPECT_EQ(zero, std::this_thread::get_id());
+        }
+      }
+    }
+  }
+}
+
+TEST(Concurrency, WorkerPoolRethrowsAfterEveryBodyReturned) {
+  kvq::WorkerPool pool(3);
+  for (int rep = 0; rep < 50; ++rep) {
+    std::atomic<int> finished{0};
+    const int64_t bad = rep % 6;
+    try {
+      pool.run(6, [&](int64_t k) {
+        if (k == bad) throw std::runtime_error("body " + std::to_string(k));
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        finished.fetch_add(1);
+      });
+      FAIL() << "run() did not rethrow";
+    } catch (const std::runtime_error& e) {
+      EXPECT_EQ(std::string(e.what()), "body " + std::to_string(bad));
+    }
+    EXPECT_EQ(finished.load(), 5);  // the other five ran to the end before run() threw
+  }
+  std::atomic<int> after{0};
+  pool.run(4, [&](int64_t) { after.fetch_add(1); });
+  EXPECT_EQ(after.load(), 4);
+}
+
+TEST(Concurrency, WorkerPoolNestedRunGoesInline) {
+  kvq::WorkerPool pool(2);
+  std::atomic<int> inner{0};
+  pool.run(2, [&](int64_t) {
+    const auto me = std::this_thread::get_id();
+    pool.run(3, [&](int64_t) {
+      EXPECT_EQ(std::this_thread::get_id(), me);
+      inner.fetch_add(1);
+    });
+  });
+  EXPECT_EQ(inner.load(), 6);
+  EXPECT_THROW(kvq::WorkerPool(0), kvq::Error);
+  EXPECT_THROW(kvq::WorkerPool(1025), kvq::Error);
 }
 
 TEST(Concurrency, ArchiveReadersOnSeveralThreads) {
