@@ -22,6 +22,7 @@
 /// inside one of this pool's own bodies runs its bodies inline on that thread (no deadlock).
 /// The pool must outlive every ParallelFor taken from it.
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -32,6 +33,10 @@
 
 #include "kvq/attention/cpu/problem.hpp"
 #include "kvq/core/error.hpp"
+
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 namespace kvq {
 
@@ -49,7 +54,7 @@ class WorkerPool {
   ~WorkerPool() {
     {
       std::lock_guard<std::mutex> lk(m_);
-      stop_ = true;
+      stop_.store(true, std::memory_order_release);
     }
     wake_.notify_all();
     for (auto& w : workers_) w.join();
@@ -72,15 +77,18 @@ class WorkerPool {
       n_ = n;
       next_.store(1, std::memory_order_relaxed);  // index 0 is the caller's
       error_ = nullptr;
-      done_ = 0;
-      ++generation_;
+      done_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
     }
-    wake_.notify_all();
+    wake_.notify_all();  // workers that stopped spinning; cheap when none sleeps
     Inside mark(this);
     take(0);
     for (int64_t k; (k = next_.fetch_add(1, std::memory_order_relaxed)) < n;) take(k);
-    std::unique_lock<std::mutex> lk(m_);
-    finished_.wait(lk, [&] { return done_ == workers_.size(); });
+    const std::size_t all = workers_.size();
+    if (!spin([&] { return done_.load(std::memory_order_acquire) == all; })) {
+      std::unique_lock<std::mutex> lk(m_);
+      finished_.wait(lk, [&] { return done_.load(std::memory_order_acquire) == all; });
+    }
     body_ = nullptr;
     if (error_) std::rethrow_exception(error_);
   }
@@ -118,24 +126,51 @@ class WorkerPool {
     }
   }
 
+  /// Polls `ready` for up to kSpin (with a pause between polls); true once it holds. A wake-up
+  /// through the condition variable costs tens of microseconds on a virtual machine, as much
+  /// as a short attention call: a worker spins briefly after each run for the next one, and the
+  /// caller spins for the last worker to finish.
+  template <class Ready>
+  static bool spin(const Ready& ready) {
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    for (int i = 0;; ++i) {
+      if (ready()) return true;
+      pause();
+      if ((i & 63) == 63 && std::chrono::steady_clock::now() >= until) return ready();
+    }
+  }
+  static void pause() {
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+  }
+
   void loop() {
     Inside mark(this);
     uint64_t seen = 0;
     for (;;) {
-      {
+      auto ready = [&] {
+        return stop_.load(std::memory_order_acquire) ||
+               generation_.load(std::memory_order_acquire) != seen;
+      };
+      if (!spin(ready)) {
         std::unique_lock<std::mutex> lk(m_);
-        wake_.wait(lk, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
-        seen = generation_;
+        wake_.wait(lk, ready);
       }
+      if (stop_.load(std::memory_order_acquire)) return;
+      seen = generation_.load(std::memory_order_acquire);
       for (int64_t k; (k = next_.fetch_add(1, std::memory_order_relaxed)) < n_;) take(k);
+      done_.fetch_add(1, std::memory_order_acq_rel);
       {
-        std::lock_guard<std::mutex> lk(m_);
-        ++done_;
+        std::lock_guard<std::mutex> lk(m_);  // orders the increment before a sleeping caller's check
       }
       finished_.notify_one();
     }
   }
+
+  static constexpr std::chrono::microseconds kSpin{50};
 
   std::vector<std::thread> workers_;
   std::mutex run_m_;  // one run() at a time
@@ -145,9 +180,9 @@ class WorkerPool {
   int64_t n_ = 0;
   std::atomic<int64_t> next_{0};
   std::exception_ptr error_;
-  std::size_t done_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::atomic<std::size_t> done_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
 };
 
 }  // namespace kvq
