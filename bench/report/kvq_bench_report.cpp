@@ -185,26 +185,24 @@ int decode_table(std::map<std::string, std::vector<double>>& bps,
 /// 16x2048 batch and for one 32768-token sequence (1x32768). Returns targets missed.
 int batch_table(std::map<std::string, std::vector<double>>& ips,
                 std::map<std::string, std::vector<double>>& bps) {
-  // BM_StreamRead/<bytes>/threads:<n>[/real_time]: the bandwidth n workers share
-  std::map<int, double> stream;
-  for (const auto& kv : bps) {
-    const std::string& n = kv.first;
-    const auto at = n.find("/threads:");
-    if (n.rfind("BM_StreamRead/", 0) == 0 && at != std::string::npos)
-      stream[std::atoi(n.c_str() + at + 9)] = median(kv.second);
-  }
+  // <prefix>.../threads:<n>[/real_time] -> n -> median of `m`
+  auto by_threads = [](const std::map<std::string, std::vector<double>>& m, const char* prefix) {
+    std::map<int, double> r;
+    for (const auto& kv : m) {
+      const std::string& n = kv.first;
+      const auto at = n.find("/threads:");
+      if (n.rfind(prefix, 0) == 0 && at != std::string::npos)
+        r[std::atoi(n.c_str() + at + 9)] = median(kv.second);
+    }
+    return r;
+  };
+  // the bandwidth and the fp32 FMA rate n workers reach at once
+  std::map<int, double> stream = by_threads(bps, "BM_StreamRead/");
+  std::map<int, double> fma = by_threads(ips, "BM_FmaPeak/");
   if (stream.count(1) && stream.count(2))
     std::printf("Memory bandwidth two workers share: BM_StreamRead on 2 threads at once %.2f GB/s, "
                 "1 thread %.2f GB/s: %.2fx (a kernel bound by its bytes scales no further)\n",
                 stream[2] / 1e9, stream[1] / 1e9, stream[2] / stream[1]);
-  // BM_FmaPeak/threads:<n>[/real_time]: the fp32 FMA rate n workers reach at once
-  std::map<int, double> fma;
-  for (const auto& kv : ips) {
-    const std::string& n = kv.first;
-    const auto at = n.find("/threads:");
-    if (n.rfind("BM_FmaPeak/", 0) == 0 && at != std::string::npos)
-      fma[std::atoi(n.c_str() + at + 9)] = median(kv.second);
-  }
   if (fma.count(1) && fma.count(2))
     std::printf("Compute two workers share: BM_FmaPeak on 2 threads at once %.3g FMA/s, 1 thread "
                 "%.3g FMA/s: %.2fx (a kernel bound by its FMAs scales this far)\n",
