@@ -231,6 +231,34 @@ TEST(Attention, BadArgumentsThrowAndWriteNothing) {
               KVView<float>::nhd(o.data(), 11, 4, D), false);
 }
 
+// Partial sums of the flash-decoding chunks: one softmax state and one D-float accumulator per
+// (chunk, query block, query head of the block's rows), sized by the queries a block really
+// holds. A decode step with 32 chunks of 8 query heads keeps 32 x 8 states, not 32 x 16 x 8
+// (the prefill block size), and the results over many small chunks still equal the oracle.
+TEST(Attention, ChunkPartialSumsAreSizedByTheQueries) {
+  const int H = 2, nh = 8, D = 64;
+  const int64_t T = 2048, split = 64, chunks = T / split;
+  const auto kd = kvq_test::kv_data({T, H, D}, 21, true);
+  const auto vd = kvq_test::kv_data({T, H, D}, 22, false);
+  KVCache c(parse_policy("f32"), 1, H, D);
+  c.append(0, KVView<const float>::nhd(kd.data(), T, H, D),
+           KVView<const float>::nhd(vd.data(), T, H, D));
+  kvq::AttentionOptions opt;
+  opt.split_tokens = split;
+  for (const int64_t nq : {int64_t{1}, int64_t{3}, int64_t{20}}) {
+    const auto q = kvq_test::kv_data({nq, nh, D}, 23, false);
+    std::vector<float> out(q.size());
+    kvq::AttentionWorkspace ws;
+    kvq::attend(c, 0, KVView<const float>::nhd(q.data(), nq, nh, D),
+                KVView<float>::nhd(out.data(), nq, nh, D), false, ws, nullptr, opt);
+    const int64_t blocks = (nq + 15) / 16, rows = std::min<int64_t>(nq, 16) * nh;
+    EXPECT_EQ(ws.w.us.size(), static_cast<std::size_t>(chunks * blocks * rows)) << nq;
+    EXPECT_EQ(ws.w.uacc.size(), static_cast<std::size_t>(chunks * blocks * rows * D)) << nq;
+    EXPECT_LE(max_rel_row_error(out, fp32_attention(kd, vd, T, H, D, q, nq, nh, false), D), 2e-5)
+        << nq;
+  }
+}
+
 // The KVBackend adapter against the evaluator's fp32 reference backend, on synthetic rows.
 TEST(CacheBackend, MatchesFp32BackendUnderF32AndStaysCloseUnderKivi4) {
   const kvq::eval::KVGeometry g{2, 2, 16, 64};

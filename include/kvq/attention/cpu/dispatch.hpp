@@ -136,7 +136,7 @@ void prepare(Workspace& ws, Problem& P, KVView<const float> q) {
     }
   }
   const std::size_t units = static_cast<std::size_t>(P.nchunks * P.nqb);
-  const std::size_t stride = static_cast<std::size_t>(H * kQueryBlock * G);
+  const std::size_t stride = unit_stride(P);
   ws.us.assign(units * stride, SoftmaxState<float>::empty());
   ws.uacc.resize(units * stride * static_cast<std::size_t>(D));
 }

@@ -80,7 +80,7 @@ void run_all(const Problem* P, Workspace* W, std::size_t np, std::vector<Scratch
 inline void merge_units(const Problem& P, Workspace& ws, KVView<float> out, const float* sinks,
                         float* lse) {
   const int64_t D = P.D, G = P.G;
-  const std::size_t stride = static_cast<std::size_t>(P.H * kQueryBlock * G);
+  const std::size_t stride = unit_stride(P);
   ws.out_row.resize(static_cast<std::size_t>(D));
   float* o = ws.out_row.data();
   for (int64_t i = 0; i < P.nq; ++i) {

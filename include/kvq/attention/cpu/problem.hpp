@@ -300,6 +300,14 @@ inline int64_t rows_of_block(const Problem& P, int64_t qb) {
   return (std::min(P.nq, i0 + kQueryBlock) - i0) * P.G;
 }
 
+/// Entries per unit in Workspace::us (and rows of D floats in Workspace::uacc): the largest
+/// block's rows for every kv head. A decode step (one query) keeps H * G states per unit, not
+/// H * kQueryBlock * G: 128 chunks of a 16384-token decode with 8 kv heads, GQA 4 and head_dim
+/// 128 need 2 MiB of partial sums, not 32.
+inline std::size_t unit_stride(const Problem& P) {
+  return static_cast<std::size_t>(P.H * std::min(P.nq, kQueryBlock) * P.G);
+}
+
 }  // namespace attn
 }  // namespace kernels
 }  // namespace kvq

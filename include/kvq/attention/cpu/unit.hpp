@@ -343,7 +343,7 @@ class Unit {
     acc_order(false);
 #endif
     const std::size_t unit = static_cast<std::size_t>(chunk * P_.nqb + qb);
-    const std::size_t stride = static_cast<std::size_t>(H * kQueryBlock * P_.G);
+    const std::size_t stride = unit_stride(P_);
     SoftmaxState<float>* us = ws_.us.data() + unit * stride;
     float* ua = ws_.uacc.data() + unit * stride * static_cast<std::size_t>(D);
     for (int64_t h = 0; h < H; ++h)
