@@ -34,6 +34,8 @@ needs_calibration = _ext.needs_calibration
 save_calibration = _ext.save_calibration
 load_calibration = _ext.load_calibration
 simd_level = _ext.simd_level
+worker_pools = _ext.worker_pools
+use_worker_pools = _ext.use_worker_pools
 
 __version__: str = _ext.__version__
 #: The SIMD variant of the compiled module in use ("avx512", "avx2", "baseline" or "native").
@@ -67,6 +69,8 @@ __all__ = [
     "save_calibration",
     "load_calibration",
     "simd_level",
+    "worker_pools",
+    "use_worker_pools",
     "variant",
     "built_variants",
     "runnable_variants",

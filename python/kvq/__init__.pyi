@@ -28,6 +28,17 @@ class Error(ValueError):
 def simd_level() -> str:
     """SIMD level kvq's fast paths were compiled for in this module: avx512, avx2 or scalar."""
 
+def worker_pools() -> dict[int, int]:
+    """{threads: calls served} of this process's shared worker pools. An attention call with
+    threads=n >= 2 runs on a pool of n workers started by the first such call (not on n - 1
+    threads started per call), unless another Python thread is using that pool; a fork()ed
+    child starts pools of its own."""
+
+def use_worker_pools(on: bool) -> bool:
+    """Whether attention calls with threads >= 2 run on the shared worker pools (default True)
+    or start threads of their own per call; returns the previous setting. Pools already started
+    keep their sleeping workers."""
+
 def built_variants() -> list[str]:
     """SIMD variants present in this installation, best first."""
 

@@ -22,7 +22,9 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -32,8 +34,11 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>  // getpid
+
 #include "kvq/accounting/accountant.hpp"
 #include "kvq/attention/attention.hpp"
+#include "kvq/attention/worker_pool.hpp"
 #include "kvq/cache/kv_cache.hpp"
 #include "kvq/config.hpp"
 #include "kvq/core/error.hpp"
@@ -460,6 +465,106 @@ PyAttn attention_options(const char* fn, int64_t rows, int64_t n_heads, int64_t 
   return a;
 }
 
+/// Module-wide workers for `threads=n` (n >= 2): one kvq::WorkerPool per thread count, started
+/// by the first call that asks for it and kept for the life of the process, so that a call wakes
+/// n - 1 waiting workers instead of starting and joining n - 1 std::threads (50-70 us per call
+/// on the hosts of docs/benchmarks.md, as much as a short decode step). A pool serves one call at
+/// a time: a call that finds its pool busy (another Python thread inside it) starts its own
+/// std::threads, as before, rather than wait. Results never depend on which ran (the kernels'
+/// determinism guarantee, docs/cache.md).
+///
+/// fork(): a child process has none of its parent's worker threads, and a pool's locks may have
+/// been held by a parent thread at the fork. Each registry belongs to the process that made it;
+/// a child that finds its parent's registry starts its own and drops the parent's without
+/// destroying it (destroying would join threads that do not exist in the child).
+class SharedWorkers {
+  struct Entry {
+    explicit Entry(int threads) : pool(threads) {}
+    kvq::WorkerPool pool;
+    std::atomic<bool> busy{false};
+    int64_t served = 0;  // guarded by the registry's mutex
+  };
+
+ public:
+  static constexpr int kMaxPools = 8;      // distinct thread counts kept; more use std::threads
+  static constexpr int kMaxThreads = 256;  // larger requests use std::threads
+
+  /// Sets opt.parallel_for to a shared pool of opt.threads workers while it lives, when one is
+  /// free; otherwise leaves opt as it was (the kernels then start std::threads).
+  class Lease {
+   public:
+    explicit Lease(kvq::AttentionOptions& opt) {
+      if (opt.threads < 2 || opt.threads > kMaxThreads || opt.parallel_for ||
+          !enabled().load(std::memory_order_relaxed))
+        return;
+      entry_ = claim(opt.threads);
+      if (entry_ != nullptr) entry_->pool.configure(opt);
+    }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease() {
+      if (entry_ != nullptr) entry_->busy.store(false, std::memory_order_release);
+    }
+
+   private:
+    Entry* entry_ = nullptr;
+  };
+
+  /// Whether calls use the pools (kvq.use_worker_pools()); their workers stay either way.
+  static std::atomic<bool>& enabled() {
+    static std::atomic<bool> on{true};
+    return on;
+  }
+  static bool set_enabled(bool on) { return enabled().exchange(on); }
+
+  /// {threads: calls served} of this process's pools (kvq.worker_pools()).
+  static std::map<int, int64_t> served() {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lk(r.mu);
+    std::map<int, int64_t> out;
+    for (const auto& e : r.pools) out[e.first] = e.second->served;
+    return out;
+  }
+
+ private:
+  struct Registry {
+    long pid = 0;
+    std::mutex mu;
+    std::map<int, Entry*> pools;  // never destroyed: the workers live as long as the process
+  };
+
+  static long this_pid() { return static_cast<long>(::getpid()); }
+
+  /// This process's registry (a fresh one after fork()).
+  static Registry& registry() {
+    static std::atomic<Registry*> current{nullptr};
+    const long pid = this_pid();
+    Registry* r = current.load(std::memory_order_acquire);
+    while (r == nullptr || r->pid != pid) {
+      auto* mine = new Registry();
+      mine->pid = pid;
+      if (current.compare_exchange_strong(r, mine, std::memory_order_acq_rel)) return *mine;
+      delete mine;  // another thread of this process installed one first: r now points to it
+    }
+    return *r;
+  }
+
+  /// The pool of `threads` workers, marked busy; nullptr when it is busy or cannot be kept.
+  static Entry* claim(int threads) {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lk(r.mu);
+    auto it = r.pools.find(threads);
+    if (it == r.pools.end()) {
+      if (static_cast<int>(r.pools.size()) >= kMaxPools) return nullptr;
+      it = r.pools.emplace(threads, new Entry(threads)).first;
+    }
+    Entry* e = it->second;
+    if (e->busy.exchange(true, std::memory_order_acquire)) return nullptr;
+    ++e->served;
+    return e;
+  }
+};
+
 /// The queries of an attention call as an f32 view (f16/bf16 widened exactly into `buf`).
 kvq::KVView<const float> f32_queries(const InTensor& qt, std::vector<float>& buf) {
   if (qt.dtype == kvq::DType::kF32) return qt.view<float>();
@@ -698,6 +803,7 @@ NB_MODULE(KVQ_PY_MODULE, m) {
                       ": a cache grew while the mask was read");
           kvq::CacheBatch cb;
           kvq::BatchAttentionWorkspace ws;
+          SharedWorkers::Lease workers(a.opt);
           kvq::attend_batch(cb.gather(cs, layer, nq), qv,
                             kvq::KVView<float>(static_cast<float*>(o.data), qt.shape), causal, ws,
                             nullptr, a.opt);
@@ -712,6 +818,14 @@ NB_MODULE(KVQ_PY_MODULE, m) {
       "Batched attention over several caches (one sequence each): q [sum(queries), n_heads, "
       "head_dim]; queries[s] rows per cache (default one: decode). Same options as "
       "KVCache.attend, indexed by the global query row.");
+  m.def("worker_pools", &SharedWorkers::served,
+        "{threads: calls served} of the module's shared worker pools in this process: a call "
+        "with threads=n >= 2 runs on a pool of n workers started once (not n - 1 new threads "
+        "per call) unless another thread is using that pool.");
+  m.def("use_worker_pools", &SharedWorkers::set_enabled, "on"_a,
+        "Whether attention calls with threads >= 2 run on the shared worker pools (default "
+        "True) or start threads of their own per call, as C++ does without a parallel_for; "
+        "returns the previous setting. Pools already started keep their (sleeping) workers.");
   m.def("simd_level", &kvq::simd_level,
         "SIMD level the fast paths of this build were compiled for (avx512, avx2 or scalar).");
 
@@ -1114,6 +1228,7 @@ NB_MODULE(KVQ_PY_MODULE, m) {
               KVQ_REQUIRE(c.cache.tokens(layer) == T || !a.opt.mask_bits, kShapeMismatch,
                           "KVCache.attend: layer ", layer, " changed while the mask was read");
               kvq::AttentionWorkspace ws;
+              SharedWorkers::Lease workers(a.opt);
               kvq::attend(c.cache, layer, qv, kvq::KVView<float>(static_cast<float*>(o.data), qt.shape),
                           causal, ws, nullptr, a.opt);
             }
