@@ -470,7 +470,7 @@ PyAttn attention_options(const char* fn, int64_t rows, int64_t n_heads, int64_t 
 /// n - 1 waiting workers instead of starting and joining n - 1 std::threads (50-70 us per call
 /// on the hosts of docs/benchmarks.md, as much as a short decode step). A pool serves one call at
 /// a time: a call that finds its pool busy (another Python thread inside it) starts its own
-/// std::threads, as before, rather than wait. Results never depend on which ran (the kernels'
+/// std::threads rather than wait. Results never depend on which ran (the kernels'
 /// determinism guarantee, docs/cache.md).
 ///
 /// fork(): a child process has none of its parent's worker threads, and a pool's locks may have
@@ -533,12 +533,10 @@ class SharedWorkers {
     std::map<int, Entry*> pools;  // never destroyed: the workers live as long as the process
   };
 
-  static long this_pid() { return static_cast<long>(::getpid()); }
-
   /// This process's registry (a fresh one after fork()).
   static Registry& registry() {
     static std::atomic<Registry*> current{nullptr};
-    const long pid = this_pid();
+    const long pid = static_cast<long>(::getpid());
     Registry* r = current.load(std::memory_order_acquire);
     while (r == nullptr || r->pid != pid) {
       auto* mine = new Registry();
