@@ -25,7 +25,7 @@
 //                                 share.
 // Besides the presets, BM_Decode/<name>/32768 for KVQuant-style caches (kExtraPolicies): nuq
 // codebooks (calibrated once on other synthetic data) and 1% dense-and-sparse outliers, both
-// read in the fused kernels.
+// read in the fused kernels; and for the FP4 formats (nvfp4, nvfp4-rot, mxfp4, k8-nvfp4).
 //   BM_DecodeBatch/<policy>/<seqs>x<tokens>/threads:<n>   (16x2048, 4x32768, 1x32768)
 //                                 attend_batch: one decode query per sequence for <seqs>
 //                                 sequences of <tokens> tokens each, their pages copied into one
@@ -66,7 +66,12 @@ const char* const kPolicies[] = {"f32", "f16", "fp8", "k8v4", "kivi4", "kivi2", 
 const std::pair<const char*, const char*> kExtraPolicies[] = {
     {"kivi4-out1", "k=int4/channel/g32/out1%,v=int4/token/g32/out1%,residual=32"},
     {"nuq4", "k=nuq4/channel/g32,v=nuq4/token/g32,residual=32"},
-    {"nuq3-out1", "k=nuq3/channel/g32/out1%,v=nuq3/token/g32/out1%,residual=32"}};
+    {"nuq3-out1", "k=nuq3/channel/g32/out1%,v=nuq3/token/g32/out1%,residual=32"},
+    // FP4 (format/fp4.hpp): K and V alike, plain and rotated, and e4m3 keys with NVFP4 values
+    {"nvfp4", "k=nvfp4,v=nvfp4"},
+    {"nvfp4-rot", "k=nvfp4/rot,v=nvfp4/rot"},
+    {"mxfp4", "k=mxfp4,v=mxfp4"},
+    {"k8-nvfp4", "k=e4m3/head,v=nvfp4"}};
 const int64_t kDecodeTokens[] = {1024, 8192, 32768};
 /// BM_DecodePreRope: the same caches read as pre-RoPE keys (KVQuant's geometry: every key row
 /// rotated at its position after decoding).

@@ -6,6 +6,7 @@
 // no allocation after the first call. KVQ_TEST_SCALAR_TOO: also built with KVQ_NO_SIMD.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cmath>
@@ -234,9 +235,12 @@ TEST(FusedAttention, ShapesGqaThreadsAndSegments) {
 
 // ---- the presets kvq_bench decodes, at its shape (8 kv heads, head_dim 128, GQA 4): pages of
 // 16-32 tokens gathered into tiles, every head of a tile at once, transposed per-token group
-// metadata (8 heads x 4 groups), 4-bit codes in even/odd order on the AVX2 path.
+// metadata (8 heads x 4 groups; FP4: 8 x 8 or 8 x 4 scale bytes decoded through their table),
+// 4-bit codes in even/odd order on the AVX2 path.
 TEST(FusedAttention, PresetsAtTheBenchmarkShape) {
-  for (const char* spec : {"f16", "fp8", "k8v4", "kivi4", "kivi2", "turbo4"}) {
+  for (const char* spec : {"f16", "fp8", "k8v4", "kivi4", "kivi2", "turbo4", "k=nvfp4,v=nvfp4",
+                           "k=mxfp4,v=mxfp4", "k=nvfp4/rot,v=mxfp4/rot", "k=e4m3/head,v=nvfp4",
+                           "k=mxfp4,v=int4/token/g32,residual=32,sinks=4"}) {
     const KVCache c = filled_cache(spec, 700, 8, 128, 31);
     for (int threads : {1, 2}) {
       AttentionOptions opt;
@@ -247,6 +251,42 @@ TEST(FusedAttention, PresetsAtTheBenchmarkShape) {
             << spec << " threads=" << threads << " nq=" << nq;
     }
   }
+}
+
+// ---- NVFP4 tensor scales other than 1 (calibrated caches): the block scale is
+// fl(e4m3(byte) * g) wherever a kernel decodes it (per-head tiles, all-heads tiles with their
+// vector gather, the scalar tail of a piece). Keys and values with different g (small enough
+// that large blocks saturate, large enough that small ones have subnormal e4m3 scales), at the
+// benchmark shape and a per-head one, pages of 16 tokens split over chunks, decode and prefill.
+TEST(FusedAttention, Fp4TensorScalesMatchTheOracle) {
+  struct Shape3 {
+    int64_t H, D, G;
+  };
+  for (const float gk : {0.01f, 3.f})
+    for (const float gv : {0.02f, 0.5f})
+      for (const Shape3 sh : {Shape3{8, 128, 4}, Shape3{2, 64, 4}, Shape3{4, 256, 1}}) {
+        kvq::Policy pol = parse_policy("k=nvfp4,v=nvfp4,sinks=3,residual=8");
+        pol.key = kvq::fp4_config(kvq::Format::kNvfp4, gk);
+        pol.value = kvq::fp4_config(kvq::Format::kNvfp4, gv);
+        KVCache c(pol, 1, static_cast<int>(sh.H), static_cast<int>(sh.D));
+        const int64_t T = 301;
+        const auto kd = kvq_test::kv_data({T, sh.H, sh.D}, 41, true);
+        const auto vd = kvq_test::kv_data({T, sh.H, sh.D}, 42, false);
+        for (int64_t t = 0; t < T; t += 37) {
+          const int64_t n = std::min<int64_t>(37, T - t);
+          c.append(0, KVView<const float>::nhd(kd.data() + t * sh.H * sh.D, n, sh.H, sh.D),
+                   KVView<const float>::nhd(vd.data() + t * sh.H * sh.D, n, sh.H, sh.D));
+        }
+        for (int threads : {1, 2}) {
+          AttentionOptions opt;
+          opt.threads = threads;
+          opt.split_tokens = 128;
+          for (int64_t nq : {int64_t{1}, int64_t{7}})
+            EXPECT_LE(fused_vs_oracle(c, sh.H * sh.G, nq, true, nullptr, opt), kTol)
+                << "gk=" << gk << " gv=" << gv << " H=" << sh.H << " D=" << sh.D
+                << " threads=" << threads << " nq=" << nq;
+        }
+      }
 }
 
 // ---- pre-RoPE keys (KVQuant): rows decoded, rotated at their positions, scored.

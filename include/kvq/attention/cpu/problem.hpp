@@ -4,6 +4,7 @@
 /// Stream (how keys or values are read), per-worker Scratch, the per-call Workspace and the
 /// Problem geometry (attention_cpu.hpp describes the design).
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -150,6 +151,11 @@ struct Stream {
   /// FP4 (nvfp4 / mxfp4) codes: table loads like nuq (lut = the 16 e2m1 values), no zeros, and
   /// the block scale decoded from its e4m3 / e8m0 byte (times the tensor scale for nvfp4).
   bool fp4 = false;
+  /// FP4 block scale of byte c: fl(stab[c] * tscale), stab = the 256 decoded e4m3 (nvfp4) or
+  /// e8m0 (mxfp4) bytes, tscale = nvfp4's tensor scale (1 for mxfp4): fp4::nv_element_scale /
+  /// fp4::decode_e8m0 bit for bit (streams.hpp, fp4_scale).
+  const float* stab = nullptr;
+  float tscale = 1.f;
   int bits = 32;
   int64_t nout =
       0;  ///< dense-and-sparse: outliers per (token, head) vector (int / fp8 / nuq dense)

@@ -169,6 +169,27 @@ inline void with_load(Load l, F&& f) {
   }
 }
 
+/// The 256 decoded FP4 block-scale bytes of a format: e4m3 (nvfp4) or e8m0 (mxfp4).
+inline const float* fp4_scale_table(Format f) {
+  using Table = std::array<float, 256>;
+  static const Table nv = [] {
+    Table t{};
+    for (int c = 0; c < 256; ++c) t[static_cast<std::size_t>(c)] = fp8::decode_e4m3(static_cast<uint8_t>(c));
+    return t;
+  }();
+  static const Table mx = [] {
+    Table t{};
+    for (int c = 0; c < 256; ++c) t[static_cast<std::size_t>(c)] = fp4::decode_e8m0(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return f == Format::kNvfp4 ? nv.data() : mx.data();
+}
+
+/// The element scale of an FP4 block with scale byte `code`, exactly as dequantization computes
+/// it (fp4::nv_element_scale(code, g) = fl(e4m3(code) * g); fp4::decode_e8m0(code) * 1), so
+/// fma(e2m1[c], scale, 0) is the dequantized value bit for bit.
+inline float fp4_scale(const Stream& st, uint8_t code) { return st.stab[code] * st.tscale; }
+
 /// Sets up how a packed view is read with vector width W.
 inline void setup_packed(Stream& st, const PackedView& v, int W) {
   st.packed = true;
@@ -180,6 +201,8 @@ inline void setup_packed(Stream& st, const PackedView& v, int W) {
   st.mul = 1.f;
   st.off = 0.f;
   st.lm = st.qjl = st.zeros = st.unpack = st.nuq = st.fp4 = st.rot = false;
+  st.stab = nullptr;
+  st.tscale = 1.f;
   st.rotation = nullptr;
   st.raw = c.is_raw();
   st.ctx = nullptr;
@@ -220,6 +243,8 @@ inline void setup_packed(Stream& st, const PackedView& v, int W) {
       st.bits = 4;
       st.nuq = true;
       st.fp4 = true;
+      st.stab = fp4_scale_table(c.format);
+      st.tscale = c.format == Format::kNvfp4 ? c.fp4_tensor_scale : 1.f;
       for (int k = 0; k < 16; ++k) st.lut[k] = fp4::decode_e2m1(static_cast<uint8_t>(k));
       break;
     case Format::kLloydMax: {
@@ -287,12 +312,7 @@ inline void tile_meta(const Stream& st, int64_t t0, int64_t n, int64_t h, float*
   const GroupBox& b = st.box;
   const int64_t D = v.shape.head_dim;
   auto sz = [&](std::size_t g, float* s, float* z) {
-    // FP4: the block's element scale exactly as dequantization computes it (fp4_quant.hpp), so
-    // fma(e2m1[c], s, 0) is the dequantized value bit for bit.
-    const float sc = !st.fp4 ? v.scale(g)
-                     : v.config.format == Format::kNvfp4
-                         ? fp4::nv_element_scale(v.scales[g], v.config.fp4_tensor_scale)
-                         : fp4::decode_e8m0(v.scales[g]);
+    const float sc = st.fp4 ? fp4_scale(st, v.scales[g]) : v.scale(g);
     *s = sc * st.mul;
     *z = (st.zeros ? v.zero(g) : 0.f) - st.off * sc;
   };

@@ -14,7 +14,6 @@ template <class S>
 bool Unit<S>::fast_stream(const Stream& st) {
   if (!st.packed) return st.rows.dim_contiguous();
   if (st.qjl) return false;
-  if (st.fp4) return false;  // byte block scales: the per-head path (tile_meta) reads FP4
   if (st.lm) return true;
   if (st.scale == Scale::kExpand) return false;
   return st.scale != Scale::kGroup || st.box.gc % 16 == 0;
@@ -31,7 +30,7 @@ bool Unit<S>::same_kind(const Stream& a, const Stream& b) {
          a.zeros == b.zeros && a.raw == b.raw && a.off == b.off && a.mul == b.mul &&
          a.box.gt == b.box.gt && a.box.gh == b.box.gh && a.box.gc == b.box.gc && a.ctx == b.ctx &&
          a.view.config.meta == b.view.config.meta && a.nout == b.nout && a.nuq == b.nuq &&
-         (!a.nuq || std::memcmp(a.lut, b.lut, sizeof a.lut) == 0);
+         a.fp4 == b.fp4 && (!a.nuq || std::memcmp(a.lut, b.lut, sizeof a.lut) == 0);
 }
 #endif
 
@@ -161,7 +160,7 @@ template <class S>
 void Unit<S>::prefetch_meta(const Stream& st, const Piece& p) const {
   if (!st.packed || st.raw) return;
   const PackedView& v = st.view;
-  const auto msz = static_cast<int64_t>(meta_size(v.config.meta));
+  const auto msz = st.fp4 ? int64_t{1} : static_cast<int64_t>(meta_size(v.config.meta));
   auto run = [](const uint8_t* base, int64_t from, int64_t to) {
     if (base == nullptr) return;
     for (int64_t o = from & ~int64_t{63}; o < to; o += 64)
@@ -207,7 +206,8 @@ void Unit<S>::meta_rows(const Stream& st, const Piece& p, int64_t h, float* ms, 
     const int64_t len = std::min(p.n - t, b.gt - tr);
     const auto g0 = static_cast<std::size_t>((tb * b.nh + hb) * b.nc);
     for (int64_t g = 0; g < ng; ++g) {
-      const float sc = detail::load_meta(v.scales, md, g0 + static_cast<std::size_t>(g));
+      const std::size_t i = g0 + static_cast<std::size_t>(g);
+      const float sc = st.fp4 ? fp4_scale(st, v.scales[i]) : detail::load_meta(v.scales, md, i);
       const float z =
           st.zeros ? detail::load_meta(v.zeros, md, g0 + static_cast<std::size_t>(g)) : 0.f;
       std::fill_n(ms + g * kTile + p.o + t, len, sc * st.mul);
@@ -224,6 +224,15 @@ avx2::V Unit<S>::meta8(const uint8_t* base, MetaDType md, std::size_t i) {
   if (md == MetaDType::kF16)
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 2 * i)));
   return _mm256_loadu_ps(reinterpret_cast<const float*>(base + 4 * i));
+}
+#endif
+
+#if KVQ_HAS_AVX2 && KVQ_HAS_F16C
+template <class S>
+avx2::V Unit<S>::fp4_scale8(const Stream& st, const uint8_t* codes) {
+  // 8 block-scale bytes -> fl(stab[byte] * tscale) per lane: fp4_scale's result in every lane
+  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  return _mm256_mul_ps(_mm256_i32gather_ps(st.stab, idx, 4), _mm256_set1_ps(st.tscale));
 }
 #endif
 
@@ -267,7 +276,7 @@ bool Unit<S>::meta_token_groups(const Stream& st, const Piece& p, int64_t ng, fl
       V sv[8], zv[8];
       for (int u = 0; u < 8; ++u) {
         const auto i = static_cast<std::size_t>((p.loc0 + t + u) * cols + c);
-        sv[u] = meta8(v.scales, md, i);
+        sv[u] = st.fp4 ? fp4_scale8(st, v.scales + i) : meta8(v.scales, md, i);
         zv[u] = st.zeros ? meta8(v.zeros, md, i) : _mm256_setzero_ps();
       }
       transpose8(sv);
@@ -280,7 +289,7 @@ bool Unit<S>::meta_token_groups(const Stream& st, const Piece& p, int64_t ng, fl
   for (; t < p.n; ++t)
     for (int64_t c = 0; c < cols; ++c) {
       const auto i = static_cast<std::size_t>((p.loc0 + t) * cols + c);
-      const float sc = detail::load_meta(v.scales, md, i);
+      const float sc = st.fp4 ? fp4_scale(st, v.scales[i]) : detail::load_meta(v.scales, md, i);
       const float z = st.zeros ? detail::load_meta(v.zeros, md, i) : 0.f;
       ms[c * kTile + p.o + t] = sc * st.mul;
       mz[c * kTile + p.o + t] = z - st.off * sc;

@@ -173,6 +173,9 @@ class Unit {
   /// 8 metadata values from slot i on, as floats.
   static avx2::V meta8(const uint8_t* base, MetaDType md, std::size_t i);
 
+  /// 8 FP4 block scales from the scale bytes at `codes`: fp4_scale() of each.
+  static avx2::V fp4_scale8(const Stream& st, const uint8_t* codes);
+
   /// 8 x 8 transpose (rows v[0..7] become columns).
   static void transpose8(avx2::V* v);
 
