@@ -172,16 +172,13 @@ inline void with_load(Load l, F&& f) {
 /// The 256 decoded FP4 block-scale bytes of a format: e4m3 (nvfp4) or e8m0 (mxfp4).
 inline const float* fp4_scale_table(Format f) {
   using Table = std::array<float, 256>;
-  static const Table nv = [] {
+  auto make = [](float (*decode)(uint8_t)) {
     Table t{};
-    for (int c = 0; c < 256; ++c) t[static_cast<std::size_t>(c)] = fp8::decode_e4m3(static_cast<uint8_t>(c));
+    for (std::size_t c = 0; c < t.size(); ++c) t[c] = decode(static_cast<uint8_t>(c));
     return t;
-  }();
-  static const Table mx = [] {
-    Table t{};
-    for (int c = 0; c < 256; ++c) t[static_cast<std::size_t>(c)] = fp4::decode_e8m0(static_cast<uint8_t>(c));
-    return t;
-  }();
+  };
+  static const Table nv = make(fp8::decode_e4m3);
+  static const Table mx = make(fp4::decode_e8m0);
   return f == Format::kNvfp4 ? nv.data() : mx.data();
 }
 

@@ -231,7 +231,8 @@ avx2::V Unit<S>::meta8(const uint8_t* base, MetaDType md, std::size_t i) {
 template <class S>
 avx2::V Unit<S>::fp4_scale8(const Stream& st, const uint8_t* codes) {
   // 8 block-scale bytes -> fl(stab[byte] * tscale) per lane: fp4_scale's result in every lane
-  const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+  const __m256i idx =
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
   return _mm256_mul_ps(_mm256_i32gather_ps(st.stab, idx, 4), _mm256_set1_ps(st.tscale));
 }
 #endif
